@@ -1,0 +1,3 @@
+from ddp_lab.train import main
+
+main()

@@ -1,0 +1,168 @@
+"""Typed configuration: the schema Hydra validates every composed config against.
+
+The YAML files in `conf/` choose values; these dataclasses say which keys exist and what type each
+has, so a misspelled key or a string where a number belongs fails at composition with Hydra's own
+message. Checks that need more than a type (a batch size of 0, a backend without devices) live in
+`validate` and raise `ConfigError`, which the entry points print as one line and exit 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration or environment: printed as one clear line, exit code 2."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # alexnet | alexnet_cifar
+    image_size: int = MISSING  # the input resolution the architecture is built for
+    default_classes: int = MISSING  # classes for data without labels of its own (synthetic)
+    dropout: float = 0.5  # 0 turns dropout off
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # digits | synthetic | cifar10 | imagefolder
+    root: str = ""  # cifar10 / imagefolder: where the data lives
+    download: bool = False  # cifar10: fetch into root if it is missing
+    image_size: int = II("model.image_size")
+    num_classes: int = II("model.default_classes")  # synthetic only; others know their own
+    num_samples: int = 50_000  # synthetic: length of the (virtual) training set
+    val_samples: int = 1_024  # synthetic: length of the validation set
+    pool_size: int = 256  # synthetic: distinct random images kept on the device
+    augment: bool = False  # random crop + horizontal flip, seeded per sample and epoch
+    on_device: bool = True  # keep in-memory data sets on the training device
+    num_workers: int = 4  # imagefolder: decoding processes per rank
+
+
+@dataclass
+class SyncConfig:
+    name: str = MISSING  # none | ddp | naive | ring | tree
+    bucket_mb: float = 25.0  # gradient bucket size for our own syncs
+    bucket_cap_mb: float = II("sync.bucket_mb")  # torch DDP's name for the same knob
+    overlap: bool = True  # start bucket all-reduces during backward
+    comm_dtype: str = "fp32"  # fp32 | bf16 | fp16: dtype gradients travel in
+    gradient_as_bucket_view: bool = False  # DDP only
+    static_graph: bool = False  # DDP only
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING  # fp32 | tf32 | fp16 | bf16
+    autocast_dtype: str = "none"  # none | float16 | bfloat16
+    tf32: bool = False  # allow TF32 tensor-core math for fp32 matmul/conv
+    grad_scaler: bool = False  # dynamic loss scaling (needed for float16)
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING  # sgd | adamw
+    lr: float = MISSING
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    eps: float = 1e-8  # adamw
+    weight_decay: float = 5e-4
+    impl: str = "auto"  # auto | fused | foreach | for_loop
+    schedule: str = "cosine"  # cosine | constant (after the linear warm-up)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    grad_clip: float = 0.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    max_steps: int = 0  # > 0 overrides epochs
+    batch_size: int = 64  # per rank, per micro-step
+    accum_steps: int = 1  # micro-steps per optimizer step; only the last communicates
+    log_every: int = 10  # steps between metrics.jsonl / TensorBoard rows
+    timing_warmup: int = 5  # steps left out of timing statistics
+    eval_every_epochs: int = 1  # 0: evaluate only at the end
+    channels_last: bool = False
+    compile: bool = False
+    cudnn_benchmark: bool = True
+    progress: bool = True  # progress bar on rank 0
+    resume: str = "auto"  # auto | never | path to a checkpoint
+    stop_at_step: int = 0  # > 0: stop at this step as if interrupted (checkpoint written)
+    checkpoint_every: int = 0  # steps between checkpoints; 0: end of each epoch and at the end
+    keep_every: int = 0  # also keep checkpoint_step<N>.pt every this many steps; 0: never
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 300.0  # a collective that waits longer than this fails instead of hanging
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    sync: SyncConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    optim: OptimConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    seed: int = 0
+
+
+CHOICES = {
+    "model.name": ("alexnet", "alexnet_cifar"),
+    "data.name": ("digits", "synthetic", "cifar10", "imagefolder"),
+    "sync.name": ("none", "ddp", "naive", "ring", "tree"),
+    "sync.comm_dtype": ("fp32", "bf16", "fp16"),
+    "precision.name": ("fp32", "tf32", "fp16", "bf16"),
+    "precision.autocast_dtype": ("none", "float16", "bfloat16"),
+    "optim.name": ("sgd", "adamw"),
+    "optim.impl": ("auto", "fused", "foreach", "for_loop"),
+    "optim.schedule": ("cosine", "constant"),
+    "dist.backend": ("auto", "gloo", "nccl"),
+}
+
+POSITIVE = ("train.batch_size", "train.accum_steps", "train.log_every", "model.image_size",
+            "data.num_classes", "data.num_samples", "data.val_samples", "data.pool_size",
+            "dist.timeout_s", "optim.lr")
+NON_NEGATIVE = ("train.epochs", "train.max_steps", "train.timing_warmup", "train.eval_every_epochs",
+                "train.stop_at_step", "train.checkpoint_every", "train.keep_every",
+                "data.num_workers", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip",
+                "sync.bucket_mb")
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg) -> None:
+    """Reject values that are well typed but meaningless, with a message naming the key."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+    for key in NON_NEGATIVE:
+        if not _get(cfg, key) >= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError(f"model.dropout={cfg.model.dropout} must be in [0, 1)")
+    if cfg.train.epochs == 0 and cfg.train.max_steps == 0:
+        raise ConfigError("set train.epochs or train.max_steps to something > 0")
+    if cfg.data.name in ("cifar10", "imagefolder") and not cfg.data.root:
+        raise ConfigError(f"data={cfg.data.name} needs data.root=<directory>")
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="schema", node=Config)

@@ -1,0 +1,285 @@
+"""Data sets and the per-rank batch streams the training loop reads.
+
+Every data set is indexed: sample i is a pure function of (i, seed, epoch), whichever rank loads
+it. `torch.utils.data.DistributedSampler` decides which indices a rank gets; because it deals one
+global permutation out round-robin, the union of all ranks' batch k is the same set of samples
+as batch k of a single process with world_size times the per-rank batch. That is what lets a
+2-rank run be checked against a 1-rank run.
+
+In-memory sets (digits, synthetic, CIFAR-10) live on the training device as uint8 (synthetic as a
+pool of float images) and are batched by indexing, so the loader never starves a GPU;
+ImageFolder goes through a DataLoader with worker processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ddp_lab.config import ConfigError
+
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def sample_hash(*keys) -> torch.Tensor:
+    """A cheap deterministic integer hash in [0, 2**31), vectorised over tensor keys, equal on CPU
+    and CUDA. Augmentation draws its randomness from hash(seed, epoch, index, salt), so a sample
+    is augmented the same way whichever rank (or how many ranks) load it."""
+    h = 0
+    for k in keys:
+        h = ((h ^ (k & 0x7FFFFFFF)) * 0x5BD1E995 + 0x9E3779B9) & 0x7FFFFFFF
+        h = h ^ (h >> 15)
+    return h
+
+
+class TensorImages:
+    """Images as uint8 NCHW plus int64 labels, normalised (and resized) per batch on fetch."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int, mean, std,
+                 image_size: int):
+        assert images.dtype == torch.uint8 and images.ndim == 4
+        self.images, self.labels, self.num_classes = images, labels, num_classes
+        self.mean = torch.tensor(mean).view(1, -1, 1, 1)
+        self.std = torch.tensor(std).view(1, -1, 1, 1)
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def to(self, device) -> "TensorImages":
+        self.images, self.labels = self.images.to(device), self.labels.to(device)
+        self.mean, self.std = self.mean.to(device), self.std.to(device)
+        return self
+
+    def fetch(self, idx: torch.Tensor, augment_keys: tuple | None = None):
+        x = self.images[idx]
+        if augment_keys is not None:
+            x = random_crop_flip(x, idx, augment_keys)
+        x = (x.float().div_(255) - self.mean) / self.std
+        if x.shape[-1] != self.image_size:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear",
+                              align_corners=False)
+        return x, self.labels[idx]
+
+
+class SyntheticImages:
+    """Random images made on the device: a pool of `pool_size` distinct images, sample i is pool
+    image i % pool_size with label hash(i) % num_classes. Any length, any resolution, no I/O: the
+    benchmark source."""
+
+    def __init__(self, length: int, image_size: int, num_classes: int, pool_size: int, seed: int,
+                 device):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.pool = torch.randn(pool_size, 3, image_size, image_size, generator=gen, device=device)
+        self.length, self.num_classes, self.seed = length, num_classes, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def fetch(self, idx: torch.Tensor, augment_keys: tuple | None = None):
+        labels = sample_hash(idx, self.seed) % self.num_classes
+        return self.pool[idx % len(self.pool)], labels
+
+
+def random_crop_flip(x: torch.Tensor, idx: torch.Tensor, keys: tuple, pad: int = 4) -> torch.Tensor:
+    """CIFAR-style augmentation on a uint8 batch: random crop after `pad` zero-padding, random flip."""
+    b, _, h, w = x.shape
+    dy = sample_hash(*keys, idx, 1) % (2 * pad + 1)
+    dx = sample_hash(*keys, idx, 2) % (2 * pad + 1)
+    flip = (sample_hash(*keys, idx, 3) & 1).bool()
+    xp = F.pad(x, (pad, pad, pad, pad))
+    rows = dy[:, None] + torch.arange(h, device=x.device)  # [b, h]
+    cols = dx[:, None] + torch.arange(w, device=x.device)  # [b, w]
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    out = xp[torch.arange(b, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
+    return out.permute(0, 3, 1, 2).contiguous()  # advanced indexing put channels last
+
+
+# ---- data sets -------------------------------------------------------------------------------
+
+def load_digits(image_size: int) -> tuple[TensorImages, TensorImages]:
+    """scikit-learn's bundled handwritten digits (1,797 8x8 images): 32 px, 3 channels, fixed
+    stratified 80/20 split. Real data with nothing to download."""
+    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = sk_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # [N,1,8,8]
+    images = F.interpolate(images, size=(32, 32), mode="bilinear", align_corners=False)
+    images = (images.clamp(0, 1) * 255).round().to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    train_idx, val_idx = train_test_split(range(len(labels)), test_size=0.2, random_state=0,
+                                          stratify=digits.target)
+    train_idx, val_idx = torch.tensor(train_idx), torch.tensor(val_idx)
+    mean = (images[train_idx].float() / 255).mean().item()
+    std = (images[train_idx].float() / 255).std().item()
+    make = lambda i: TensorImages(images[i], labels[i], 10, (mean,) * 3, (std,) * 3, image_size)
+    return make(train_idx), make(val_idx)
+
+
+def load_cifar10(root: str, download: bool, image_size: int) -> tuple[TensorImages, TensorImages]:
+    from torchvision.datasets import CIFAR10
+
+    if not download and not os.path.isdir(os.path.join(root, "cifar-10-batches-py")):
+        raise ConfigError(f"data=cifar10: no CIFAR-10 under data.root={os.path.abspath(root)!r} "
+                          "(expected cifar-10-batches-py/ there); set data.download=true to fetch it")
+    try:
+        splits = [CIFAR10(root, train=train, download=download) for train in (True, False)]
+    except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
+        raise ConfigError(f"data=cifar10 at {os.path.abspath(root)!r}: {e}") from None
+    return tuple(TensorImages(torch.from_numpy(s.data).permute(0, 3, 1, 2).contiguous(),
+                              torch.tensor(s.targets), 10, CIFAR_MEAN, CIFAR_STD, image_size)
+                 for s in splits)
+
+
+class SeededImageFolder(Dataset):
+    """torchvision ImageFolder whose random transforms are seeded per (seed, epoch, index)."""
+
+    def __init__(self, root: str, image_size: int, train: bool, augment: bool, seed: int):
+        from torchvision import datasets, transforms as T
+
+        if train and augment:
+            tf = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()]
+        else:
+            tf = [T.Resize(round(image_size * 256 / 224)), T.CenterCrop(image_size)]
+        tf += [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+        self.folder = datasets.ImageFolder(root, transform=T.Compose(tf))
+        self.num_classes = len(self.folder.classes)
+        self.seed, self.epoch = seed, 0
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int):
+        torch.manual_seed(sample_hash(self.seed, self.epoch, i))
+        return self.folder[i]
+
+
+def load_imagefolder(root: str, image_size: int, augment: bool, seed: int):
+    splits = []
+    for split in ("train", "val"):
+        path = os.path.join(root, split)
+        if not os.path.isdir(path):
+            raise ConfigError(f"data=imagefolder: missing {os.path.abspath(path)!r} "
+                              "(expected data.root/train/<class>/*.jpg and data.root/val/<class>/*.jpg)")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ConfigError(f"data=imagefolder: {os.path.abspath(path)!r} is not readable")
+        try:
+            splits.append(SeededImageFolder(path, image_size, split == "train", augment, seed))
+        except (FileNotFoundError, OSError) as e:  # e.g. "Found no valid file for the classes"
+            raise ConfigError(f"data=imagefolder at {os.path.abspath(path)!r}: {e}") from None
+    return tuple(splits)
+
+
+# ---- per-rank batch streams ------------------------------------------------------------------
+
+class BatchStream:
+    """One rank's batches of a data set, epoch by epoch; `epoch(e, start_batch)` resumes mid-epoch."""
+
+    def __init__(self, dataset, indices_for_epoch, batch_size: int, device, drop_last: bool):
+        self.dataset, self.indices_for_epoch = dataset, indices_for_epoch
+        self.batch_size, self.device, self.drop_last = batch_size, device, drop_last
+
+    def num_batches(self, epoch: int = 0) -> int:
+        n = len(self.indices_for_epoch(epoch))
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+
+class DeviceBatches(BatchStream):
+    """Batches of an in-memory data set, made by indexing: no copies, no worker processes."""
+
+    def __init__(self, *args, augment_seed: int | None = None):
+        super().__init__(*args)
+        self.augment_seed = augment_seed
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        where = self.dataset.labels.device if isinstance(self.dataset, TensorImages) else self.device
+        idx = torch.as_tensor(self.indices_for_epoch(epoch), dtype=torch.int64).to(where)
+        keys = None if self.augment_seed is None else (self.augment_seed, epoch)
+        for b in range(start_batch, self.num_batches(epoch)):
+            x, y = self.dataset.fetch(idx[b * self.batch_size:(b + 1) * self.batch_size], keys)
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+class LoaderBatches(BatchStream):
+    """Batches of a Dataset decoded by DataLoader worker processes, copied to the device."""
+
+    def __init__(self, *args, num_workers: int):
+        super().__init__(*args)
+        self.num_workers = num_workers
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.dataset.epoch = epoch  # read by the workers, which start after this
+        indices = self.indices_for_epoch(epoch)[start_batch * self.batch_size:]
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=indices,
+                            drop_last=self.drop_last, num_workers=self.num_workers,
+                            pin_memory=self.device.type == "cuda")
+        for x, y in loader:
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+@dataclass
+class Data:
+    train: BatchStream
+    val: BatchStream
+    num_classes: int
+    train_samples: int
+    val_samples: int
+
+
+def build_data(cfg, rank: int, world_size: int, device) -> Data:
+    """The data set named by `cfg.data`, split into this rank's train and val batch streams."""
+    d = cfg.data
+    if d.name == "digits":
+        train_set, val_set = load_digits(d.image_size)
+    elif d.name == "cifar10":
+        train_set, val_set = load_cifar10(d.root, d.download, d.image_size)
+    elif d.name == "synthetic":
+        train_set = SyntheticImages(d.num_samples, d.image_size, d.num_classes, d.pool_size,
+                                    cfg.seed, device)
+        val_set = SyntheticImages(d.val_samples, d.image_size, d.num_classes, d.pool_size,
+                                  cfg.seed + 1, device)
+    else:
+        train_set, val_set = load_imagefolder(d.root, d.image_size, d.augment, cfg.seed)
+
+    per_step = world_size * cfg.train.batch_size * cfg.train.accum_steps
+    if len(train_set) < per_step:
+        raise ConfigError(
+            f"data={d.name} has {len(train_set)} training samples, fewer than one step needs: "
+            f"world size {world_size} x train.batch_size {cfg.train.batch_size} x "
+            f"train.accum_steps {cfg.train.accum_steps} = {per_step}. Use a smaller batch or fewer ranks.")
+
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=cfg.seed)
+
+    def train_indices(epoch: int) -> list[int]:
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    # Validation: a plain round-robin shard with no padding, so (sum, count) is exact.
+    val_shard = list(range(rank, len(val_set), world_size))
+    val_indices = lambda epoch: val_shard
+
+    # Training drops the last partial batch (every step has the same global batch); evaluation
+    # sees every sample once.
+    if d.name == "imagefolder":
+        make = lambda ds, idx, drop: LoaderBatches(ds, idx, cfg.train.batch_size, device, drop,
+                                                   num_workers=d.num_workers)
+        train, val = make(train_set, train_indices, True), make(val_set, val_indices, False)
+    else:
+        if d.on_device:
+            for ds in (train_set, val_set):
+                if isinstance(ds, TensorImages):
+                    ds.to(device)
+        augment_seed = cfg.seed if d.augment and d.name != "synthetic" else None
+        train = DeviceBatches(train_set, train_indices, cfg.train.batch_size, device, True,
+                              augment_seed=augment_seed)
+        val = DeviceBatches(val_set, val_indices, cfg.train.batch_size, device, False)
+    return Data(train, val, train_set.num_classes, len(train_set), len(val_set))

@@ -1,0 +1,123 @@
+"""Measurement and logging: a step timer with a per-phase breakdown, and a rank-0 logger that
+writes TensorBoard events and metrics.jsonl (a null object on every other rank).
+
+Metric names follow `group/name_unit` (`time/backward_ms`, `throughput/img_per_s`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+PHASES = ("data", "forward", "backward", "comm", "optim")
+
+
+class StepTimer:
+    """Contiguous marks: each `mark(phase)` ends `phase` where the previous mark ended, so the
+    phases of a step add up to its total by construction, and time the GPU sat idle waiting for the
+    host (a slow loader) lands in the phase that waited.
+
+    On CUDA the marks are events on the current stream, read back lazily (no sync per step); on
+    CPU they are `time.perf_counter()` readings."""
+
+    def __init__(self, device: torch.device, warmup: int):
+        self.cuda = device.type == "cuda"
+        self.warmup = warmup
+        self.steps: list[dict[str, float]] = []  # resolved, timed steps only
+        self._pending: list[list[tuple[str, object]]] = []
+        self._marks: list[tuple[str, object]] = []
+        self._seen = 0
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def restart(self) -> None:
+        """Begin a new step here (after eval or a checkpoint: their time is not a step's)."""
+        self._marks = [("start", self._now())]
+
+    def mark(self, phase: str) -> None:
+        self._marks.append((phase, self._now()))
+
+    def end_step(self) -> None:
+        marks, self._seen = self._marks, self._seen + 1
+        if self._seen > self.warmup:
+            self._pending.append(marks)
+        self._marks = [("start", marks[-1][1])]  # the next step starts where this one ended
+        self._resolve(block=False)
+
+    def _resolve(self, block: bool) -> None:
+        while self._pending:
+            marks = self._pending[0]
+            if self.cuda and not block and not marks[-1][1].query():
+                return
+            if self.cuda:
+                marks[-1][1].synchronize()
+                ms = lambda a, b: a.elapsed_time(b)
+            else:
+                ms = lambda a, b: (b - a) * 1e3
+            parts = defaultdict(float)
+            for (_, t0), (phase, t1) in zip(marks, marks[1:]):
+                parts[phase] += ms(t0, t1)
+            parts["step"] = sum(parts.values())
+            self.steps.append(dict(parts))
+            self._pending.pop(0)
+
+    def summary(self) -> dict[str, float]:
+        """Median of each phase over the timed steps, plus their total wall time."""
+        self._resolve(block=True)
+        if not self.steps:
+            return {}
+        keys = sorted({k for s in self.steps for k in s})
+        out = {f"{k}_ms": statistics.median(s.get(k, 0.0) for s in self.steps) for k in keys}
+        out["timed_steps"] = len(self.steps)
+        out["timed_total_s"] = sum(s["step"] for s in self.steps) / 1e3
+        return out
+
+
+class NullLogger:
+    """What every rank but 0 gets: the same calls, no output."""
+
+    def log(self, step: int, metrics: dict) -> None: ...
+    def text(self, tag: str, text: str) -> None: ...
+    def hparams(self, hparams: dict, metrics: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+class RunLogger(NullLogger):
+    """TensorBoard events and metrics.jsonl in the run directory (rank 0)."""
+
+    def __init__(self, run_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = run_dir
+        self.writer = SummaryWriter(log_dir=run_dir)
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+
+    def text(self, tag: str, text: str) -> None:
+        # TensorBoard renders text as markdown: indent four spaces to keep YAML/JSON verbatim.
+        self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()))
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        self.writer.add_hparams(hparams, metrics, run_name=".")
+
+    def close(self) -> None:
+        self.writer.close()
+        self.jsonl.close()
+
+
+def make_logger(run_dir: str, is_main: bool) -> NullLogger:
+    return RunLogger(run_dir) if is_main else NullLogger()

@@ -1,0 +1,49 @@
+"""AlexNet at two resolutions: torchvision's (224 px, 61.1 M parameters with 1000 classes) and an
+AlexNet-style net for 32 px inputs with the same shape of computation: five convolutions with ReLU
+and max-pooling, then three fully connected layers with dropout. Both keep most parameters in the
+FC layers, which is what makes AlexNet communication-heavy under data parallelism."""
+
+from __future__ import annotations
+
+from torch import nn
+from torchvision.models import alexnet as torchvision_alexnet
+
+
+def AlexNet(num_classes: int = 1000, dropout: float = 0.5) -> nn.Module:
+    """torchvision's AlexNet (the one-GPU variant of Krizhevsky et al.), randomly initialised."""
+    return torchvision_alexnet(weights=None, num_classes=num_classes, dropout=dropout)
+
+
+class AlexNetCifar(nn.Module):
+    """AlexNet for 32x32 inputs: 3x3 kernels, three 2x pools (32 -> 16 -> 8 -> 4 -> 2), FC 1024-4096-4096."""
+
+    def __init__(self, num_classes: int = 10, dropout: float = 0.5):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 64, kernel_size=3, stride=2, padding=1), nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=2),
+            nn.Conv2d(64, 192, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=2),
+            nn.Conv2d(192, 384, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(384, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(256, 256, kernel_size=3, padding=1), nn.ReLU(inplace=True),
+            nn.MaxPool2d(kernel_size=2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Dropout(p=dropout), nn.Linear(256 * 2 * 2, 4096), nn.ReLU(inplace=True),
+            nn.Dropout(p=dropout), nn.Linear(4096, 4096), nn.ReLU(inplace=True),
+            nn.Linear(4096, num_classes),
+        )
+
+        # He init for the ReLU convs (torchvision's VGG init). With PyTorch's default init the
+        # signal fades through eight layers without normalisation and SGD stalls at chance.
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))

@@ -1,0 +1,45 @@
+"""Optimizer and learning-rate schedule: SGD with momentum or AdamW; linear warm-up, then cosine or
+constant. The schedule is a LambdaLR of the step, so it checkpoints as a plain state dict."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ddp_lab.config import ConfigError
+
+
+def _impl_kwargs(impl: str, device: torch.device) -> dict:
+    if impl == "auto":
+        # fused kernels exist for CUDA (and CPU in recent torch); foreach is the portable default.
+        return {"fused": True} if device.type == "cuda" else {}
+    if impl == "fused" and device.type != "cuda":
+        raise ConfigError("optim.impl=fused needs a CUDA device here; use optim.impl=auto or foreach")
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
+def build_optimizer(ocfg, params, device: torch.device) -> torch.optim.Optimizer:
+    kwargs = _impl_kwargs(ocfg.impl, device)
+    if ocfg.name == "sgd":
+        return torch.optim.SGD(params, lr=ocfg.lr, momentum=ocfg.momentum, nesterov=ocfg.nesterov,
+                               weight_decay=ocfg.weight_decay, **kwargs)
+    return torch.optim.AdamW(params, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
+                             weight_decay=ocfg.weight_decay, **kwargs)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str,
+              min_ratio: float) -> float:
+    """Multiplier of the base LR for the update made at `step` (0-based)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer, ocfg, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, ocfg.warmup_steps, total_steps, ocfg.schedule,
+                                          ocfg.min_lr_ratio))

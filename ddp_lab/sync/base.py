@@ -1,0 +1,33 @@
+"""The contract between the training loop and a gradient synchroniser.
+
+The loop does, every step:
+    with sync.no_sync():  ... forward + backward ...   # every micro-step but the last
+    ... forward + backward ...                         # last micro-step: communication starts
+    sync.finish()                                      # grads are now averaged over all ranks
+and never asks which algorithm it is talking to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+
+class GradSync:
+    name = "base"
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Make replicas equal (broadcast from rank 0) and install hooks; return the module to call."""
+        raise NotImplementedError
+
+    def no_sync(self):
+        """Micro-steps inside this context accumulate gradients locally without communicating."""
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """Block (the optimizer) until every gradient is averaged across ranks."""
+
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sends per synchronised step (0 where the sync cannot count them)."""
+        return 0

@@ -1,0 +1,12 @@
+"""sync=none: a single process; nothing to synchronise."""
+
+from torch import nn
+
+from ddp_lab.sync.base import GradSync
+
+
+class NoSync(GradSync):
+    name = "none"
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return model

@@ -1,0 +1,351 @@
+"""Data-parallel training of AlexNet-style CNNs. Read top to bottom.
+
+    torchrun --standalone --nproc_per_node=2 -m ddp_lab.train            # 2 CPU ranks, digits
+    python -m ddp_lab.train model=alexnet data=synthetic sync=none       # one process
+    torchrun --nproc_per_node=8 -m ddp_lab.train sync=ring precision=bf16 train.channels_last=true
+
+torchrun sets the environment -> Hydra composes conf/ + overrides into a typed config ->
+dist.init() -> model, data, optimizer, precision, synchroniser, logger -> the loop -> finally:
+close the logger, destroy the process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from ddp_lab import checkpoint, dist as ddp_dist
+from ddp_lab.config import ConfigError, register_configs, validate
+from ddp_lab.data import build_data
+from ddp_lab.metrics import StepTimer, make_logger
+from ddp_lab.models import build_model
+from ddp_lab.optim import build_optimizer, build_scheduler
+from ddp_lab.precision import setup_precision
+from ddp_lab.sync import build_sync
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+log = logging.getLogger("ddp_lab")
+
+
+def train(cfg, run_dir: str) -> dict:
+    """Train per `cfg`, writing into `run_dir` (rank 0 only); returns the run summary."""
+    validate(cfg)
+    info = ddp_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    logger = None
+    try:
+        if info.is_main:
+            os.makedirs(run_dir, exist_ok=True)
+        _setup_logging(run_dir, info.is_main)
+        logger = make_logger(run_dir, info.is_main)
+        return _train(cfg, run_dir, info, logger)
+    finally:
+        if logger is not None:
+            logger.close()
+        ddp_dist.cleanup()
+
+
+def _train(cfg, run_dir, info, logger) -> dict:
+    device, tcfg = info.device, cfg.train
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    digest = checkpoint.config_digest(cfg_dict, info.world_size)
+
+    # Same seed everywhere for the initial weights (rank 0's are broadcast anyway) ...
+    torch.manual_seed(cfg.seed)
+    data = build_data(cfg, info.rank, info.world_size, device)
+    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout)
+    memory_format = torch.channels_last if tcfg.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=memory_format)
+    # ... then a different stream per rank, so dropout masks differ between ranks.
+    torch.manual_seed(cfg.seed + 1 + info.rank)
+
+    precision = setup_precision(cfg.precision, device, tcfg.cudnn_benchmark)
+    sync = build_sync(cfg.sync, info)
+    train_model = sync.prepare(model)  # DDP wrapper, or the model with our hooks installed
+    if tcfg.compile:
+        train_model = torch.compile(train_model)
+    optimizer = build_optimizer(cfg.optim, model.parameters(), device)
+
+    steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
+    total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    global_batch = tcfg.batch_size * tcfg.accum_steps * info.world_size
+
+    start_step = 0
+    if info.is_main:
+        for stale in checkpoint.clean_stale_temporaries(run_dir):
+            log.warning("removed stale temporary %s", stale)
+    resumed = checkpoint.find_resumable(run_dir, tcfg.resume, digest, log.warning)
+    if resumed is not None:
+        model.load_state_dict(resumed["model"])
+        optimizer.load_state_dict(resumed["optimizer"])
+        scheduler.load_state_dict(resumed["scheduler"])
+        precision.scaler.load_state_dict(resumed["scaler"])
+        checkpoint.set_rng_state(resumed["rng"][info.rank], device)
+        start_step = resumed["step"]
+        log.info("resumed from %s at step %d", resumed["path"], start_step)
+
+    if info.is_main:
+        _record_run(cfg, run_dir, info, logger, global_batch, total_steps, data)
+
+    def save_checkpoint(step: int) -> None:
+        rng = checkpoint.gather_rng_states(device)
+        if info.is_main:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "scaler": precision.scaler.state_dict(),
+                     "step": step, "rng": rng, "config_digest": digest,
+                     "world_size": info.world_size}
+            checkpoint.atomic_save(state, os.path.join(run_dir, checkpoint.LATEST))
+            if tcfg.keep_every and step % tcfg.keep_every == 0:
+                checkpoint.atomic_save(state, os.path.join(run_dir, f"checkpoint_step{step}.pt"))
+        dist.barrier()
+
+    def evaluate() -> tuple[float, float]:
+        """Validation loss and accuracy over every sample once, reduced as (sum, count)."""
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+        with torch.no_grad(), precision.autocast():
+            for x, y in data.val.epoch(0):
+                logits = model(x.contiguous(memory_format=memory_format))
+                totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+                totals[1] += (logits.argmax(1) == y).sum()
+                totals[2] += len(y)
+        dist.all_reduce(totals)  # SUM: ReduceOp.AVG is NCCL-only
+        model.train()
+        loss_sum, correct, count = totals.tolist()
+        return loss_sum / count, correct / count
+
+    # ---- the loop ----
+    from tqdm import tqdm
+
+    # disable=None: tqdm shows the bar only on a terminal; redirected output gets log lines instead.
+    bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+               disable=None if info.is_main and tcfg.progress else True, file=sys.stderr)
+    timer = StepTimer(device, warmup=tcfg.timing_warmup)
+    val_loss = val_acc = float("nan")
+    loss_window = torch.zeros((), device=device)
+    window_steps = 0  # steps whose loss is in loss_window
+    clock_steps, clock_t0 = 0, time.perf_counter()  # steps timed since clock_t0 (eval excluded)
+    stop_step = min(total_steps, tcfg.stop_at_step) if tcfg.stop_at_step else total_steps
+    epoch = start_step // steps_per_epoch
+    batches = data.train.epoch(epoch, start_batch=(start_step % steps_per_epoch) * tcfg.accum_steps)
+    model.train()
+    timer.restart()
+    for step in range(start_step, stop_step):
+        if step // steps_per_epoch != epoch:
+            epoch = step // steps_per_epoch
+            batches = data.train.epoch(epoch)
+        for micro in range(tcfg.accum_steps):
+            x, y = next(batches)
+            x = x.contiguous(memory_format=memory_format)
+            timer.mark("data")
+            last = micro == tcfg.accum_steps - 1
+            with (contextlib.nullcontext() if last else sync.no_sync()):
+                with precision.autocast():
+                    loss = F.cross_entropy(train_model(x), y) / tcfg.accum_steps
+                timer.mark("forward")
+                precision.scaler.scale(loss).backward()  # the last micro-step starts bucket syncs
+                timer.mark("backward")
+            loss_window += loss.detach()
+        sync.finish()  # gradients averaged over ranks from here on
+        timer.mark("comm")
+        if cfg.optim.grad_clip > 0:
+            precision.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        precision.scaler.step(optimizer)  # skipped (on every rank alike) if grads hold inf/NaN
+        precision.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        timer.mark("optim")
+        timer.end_step()
+        window_steps += 1
+        clock_steps += 1
+        bar.update(1)
+
+        done = step + 1
+        if done % tcfg.log_every == 0 or done == stop_step:
+            dist.all_reduce(loss_window)  # the global batch's loss: (sum over ranks) / ranks
+            elapsed = time.perf_counter() - clock_t0  # .item() below waits for the GPU
+            metrics = {"train/loss": loss_window.item() / (window_steps * info.world_size),
+                       "train/lr": scheduler.get_last_lr()[0],
+                       "throughput/img_per_s": clock_steps * global_batch / elapsed,
+                       "time/step_ms": elapsed / clock_steps * 1e3,
+                       "train/epoch": done / steps_per_epoch}
+            if precision.scaler.is_enabled():
+                metrics["precision/loss_scale"] = precision.scaler.get_scale()
+            logger.log(done, metrics)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
+                            img_s=f"{metrics['throughput/img_per_s']:.0f}")
+            if bar.disable:
+                log.info("step %d/%d: loss %.4f, %.0f img/s", done, total_steps,
+                         metrics["train/loss"], metrics["throughput/img_per_s"])
+            loss_window.zero_()
+            window_steps, clock_steps, clock_t0 = 0, 0, time.perf_counter()
+
+        end_of_epoch = done % steps_per_epoch == 0
+        eval_now = done == total_steps or (
+            end_of_epoch and tcfg.eval_every_epochs
+            and (done // steps_per_epoch) % tcfg.eval_every_epochs == 0)
+        if eval_now:
+            val_loss, val_acc = evaluate()
+            logger.log(done, {"val/loss": val_loss, "val/accuracy": val_acc})
+            log.info("step %d epoch %.1f: val loss %.4f, accuracy %.4f", done,
+                     done / steps_per_epoch, val_loss, val_acc)
+        checkpoint_now = done == stop_step or (
+            tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0) or (
+            not tcfg.checkpoint_every and end_of_epoch)
+        if checkpoint_now:
+            save_checkpoint(done)
+        if eval_now or checkpoint_now:
+            timer.restart()  # eval and checkpoint time is not step time
+            clock_steps, clock_t0 = 0, time.perf_counter()
+    bar.close()
+
+    if start_step >= stop_step:
+        log.info("nothing to do: the checkpoint in %s is already at step %d of %d "
+                 "(use train.resume=never or another hydra.run.dir to train again)",
+                 run_dir, start_step, stop_step)
+        val_loss, val_acc = evaluate()
+
+    timing = timer.summary()
+    rank_step_ms = _gather_floats(timing.get("step_ms", float("nan")), device)
+    digests = [None] * info.world_size  # replicas must be identical: check, don't assume
+    dist.all_gather_object(digests, parameter_digest(model))
+    if len(set(digests)) > 1:
+        log.error("replicas diverged: parameter digests per rank %s", digests)
+    summary = {
+        "world_size": info.world_size, "backend": info.backend, "device": str(device),
+        "model": cfg.model.name, "data": cfg.data.name, "sync": cfg.sync.name,
+        "precision": cfg.precision.name, "per_rank_batch": tcfg.batch_size,
+        "accum_steps": tcfg.accum_steps, "global_batch": global_batch,
+        "steps": stop_step, "total_steps": total_steps, "stopped_early": stop_step < total_steps,
+        "train_img_per_s": (global_batch * timing["timed_steps"] / timing["timed_total_s"]
+                            if timing.get("timed_total_s") else float("nan")),
+        "val_accuracy": val_acc, "val_loss": val_loss,
+        "time_ms": {k[:-3]: v for k, v in timing.items() if k.endswith("_ms")},
+        "timed_steps": timing.get("timed_steps", 0),
+        "rank_step_ms": rank_step_ms,
+        "rank_param_digests": digests,
+        "comm_bytes_per_step": sync.bytes_per_step(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    if info.is_main:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        logger.hparams(
+            {"world_size": info.world_size, "sync": cfg.sync.name, "precision": cfg.precision.name,
+             "global_batch": global_batch, "lr": cfg.optim.lr, "model": cfg.model.name},
+            {"hparam/val_accuracy": val_acc, "hparam/val_loss": val_loss,
+             "hparam/train_img_per_s": summary["train_img_per_s"]})
+        log.info("done: %d steps, val accuracy %.4f, %.0f img/s -> %s", stop_step, val_acc,
+                 summary["train_img_per_s"], run_dir)
+    return summary
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter's bytes: equal digests mean bitwise-equal replicas."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _gather_floats(value: float, device) -> list[float]:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.item() for o in out]
+
+
+def git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _record_run(cfg, run_dir, info, logger, global_batch, total_steps, data) -> None:
+    """Resolved config, versions, devices and git commit: how this run was made."""
+    record = {"git_commit": git_commit(), "world_size": info.world_size, "backend": info.backend,
+              "global_batch": global_batch, "total_steps": total_steps,
+              "train_samples": data.train_samples, "val_samples": data.val_samples,
+              "argv": sys.argv, **ddp_dist.versions()}
+    with open(os.path.join(run_dir, "run_info.json"), "w") as f:
+        json.dump({"run": record, "config": OmegaConf.to_container(cfg, resolve=True)}, f, indent=2)
+    logger.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+    logger.text("run_info", json.dumps(record, indent=2))
+    log.info("world size %d (%s on %s), global batch %d, %d steps, %d train / %d val samples",
+             info.world_size, info.backend, info.device, global_batch, total_steps,
+             data.train_samples, data.val_samples)
+
+
+def _setup_logging(run_dir: str, is_main: bool) -> None:
+    """Rank 0 logs INFO to stderr and train.log; the other ranks only warnings and errors."""
+    log.handlers.clear()
+    log.propagate = False
+    log.setLevel(logging.INFO if is_main else logging.WARNING)
+    fmt = logging.Formatter("[%(asctime)s %(levelname)s] %(message)s", "%H:%M:%S")
+    handlers = [logging.StreamHandler(sys.stderr)]
+    if is_main:
+        handlers.append(logging.FileHandler(os.path.join(run_dir, "train.log")))
+    for h in handlers:
+        h.setFormatter(fmt)
+        log.addHandler(h)
+
+
+# ---- Hydra entry ------------------------------------------------------------------------------
+
+def _register_resolvers() -> None:
+    if not OmegaConf.has_resolver("ddp_lab.run_name"):
+        # Deterministic run dir shared by all ranks: the overrides, or "default".
+        OmegaConf.register_new_resolver("ddp_lab.run_name", lambda s: s or "default")
+        # Only rank 0 writes Hydra's .hydra/ record.
+        OmegaConf.register_new_resolver(
+            "ddp_lab.rank0_only", lambda s: s if os.environ.get("RANK", "0") == "0" else None)
+
+
+def run_hydra_app(task, config_name: str) -> None:
+    """Run `task(cfg, run_dir)` as a Hydra app; a ConfigError becomes one line and exit code 2."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    register_configs()
+    _register_resolvers()
+
+    @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base=None)
+    def entry(cfg):
+        try:
+            if HydraConfig.get().mode == RunMode.MULTIRUN and ddp_dist.under_torchrun():
+                raise ConfigError("--multirun inside torchrun would start a sweep on every rank; "
+                                  "sweep world sizes with `python -m ddp_lab.scale` instead")
+            task(cfg, HydraConfig.get().runtime.output_dir)
+        except ConfigError as e:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    entry()
+
+
+def main() -> None:
+    run_hydra_app(train, "config")
+
+
+if __name__ == "__main__":
+    main()
