@@ -1,0 +1,1 @@
+"""Benchmarks that measure the seed articles' claims and our own collectives and loop."""

@@ -1,0 +1,1 @@
+"""Cost models: compute (FLOPs, MFU), memory, and the network (alpha-beta, scaling)."""
