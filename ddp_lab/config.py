@@ -86,6 +86,7 @@ class TrainConfig:
     accum_steps: int = 1  # micro-steps per optimizer step; only the last communicates
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard rows
     timing_warmup: int = 5  # steps left out of timing statistics
+    calibrate_steps: int = 5  # timed backward passes without communication (0: skip)
     eval_every_epochs: int = 1  # 0: evaluate only at the end
     channels_last: bool = False
     compile: bool = False
@@ -131,7 +132,7 @@ CHOICES = {
 POSITIVE = ("train.batch_size", "train.accum_steps", "train.log_every", "model.image_size",
             "data.num_classes", "data.num_samples", "data.val_samples", "data.pool_size",
             "dist.timeout_s", "optim.lr")
-NON_NEGATIVE = ("train.epochs", "train.max_steps", "train.timing_warmup", "train.eval_every_epochs",
+NON_NEGATIVE = ("train.epochs", "train.max_steps", "train.timing_warmup", "train.calibrate_steps", "train.eval_every_epochs",
                 "train.stop_at_step", "train.checkpoint_every", "train.keep_every",
                 "data.num_workers", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip",
                 "sync.bucket_mb")

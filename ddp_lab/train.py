@@ -73,7 +73,7 @@ def _train(cfg, run_dir, info, logger) -> dict:
     sync = build_sync(cfg.sync, info)
     train_model = sync.prepare(model)  # DDP wrapper, or the model with our hooks installed
     if tcfg.compile:
-        train_model = torch.compile(train_model)
+        train_model = compile_model(train_model, device)
     optimizer = build_optimizer(cfg.optim, model.parameters(), device)
 
     steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
@@ -124,6 +124,12 @@ def _train(cfg, run_dir, info, logger) -> dict:
         model.train()
         loss_sum, correct, count = totals.tolist()
         return loss_sum / count, correct / count
+
+    # Backward without communication, timed once up front: DDP waits for its all-reduces inside
+    # backward, so its exposed communication is (synced backward + wait) - local backward.
+    local_backward_ms = (time_local_backward(train_model, sync, precision, data, memory_format,
+                                             device, tcfg.calibrate_steps)
+                         if tcfg.calibrate_steps else None)
 
     # ---- the loop ----
     from tqdm import tqdm
@@ -218,6 +224,12 @@ def _train(cfg, run_dir, info, logger) -> dict:
         val_loss, val_acc = evaluate()
 
     timing = timer.summary()
+    time_ms = {k[:-3]: v for k, v in timing.items() if k.endswith("_ms")}
+    if local_backward_ms is not None and time_ms:
+        local = local_backward_ms * tcfg.accum_steps
+        time_ms["backward_local"] = local
+        time_ms["compute"] = time_ms["forward"] + local
+        time_ms["exposed_comm"] = max(0.0, time_ms["backward"] + time_ms["comm"] - local)
     rank_step_ms = _gather_floats(timing.get("step_ms", float("nan")), device)
     digests = [None] * info.world_size  # replicas must be identical: check, don't assume
     dist.all_gather_object(digests, parameter_digest(model))
@@ -232,13 +244,15 @@ def _train(cfg, run_dir, info, logger) -> dict:
         "train_img_per_s": (global_batch * timing["timed_steps"] / timing["timed_total_s"]
                             if timing.get("timed_total_s") else float("nan")),
         "val_accuracy": val_acc, "val_loss": val_loss,
-        "time_ms": {k[:-3]: v for k, v in timing.items() if k.endswith("_ms")},
+        "time_ms": time_ms,
         "timed_steps": timing.get("timed_steps", 0),
         "rank_step_ms": rank_step_ms,
         "rank_param_digests": digests,
         "comm_bytes_per_step": sync.bytes_per_step(),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+    if device.type == "cuda":
+        summary["max_memory_allocated_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
     if info.is_main:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -250,6 +264,43 @@ def _train(cfg, run_dir, info, logger) -> dict:
         log.info("done: %d steps, val accuracy %.4f, %.0f img/s -> %s", stop_step, val_acc,
                  summary["train_img_per_s"], run_dir)
     return summary
+
+
+def compile_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """torch.compile, refused up front (not deep inside the first step) where it cannot work."""
+    import shutil
+
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ConfigError("train.compile=true: torch.compile is not supported on this Python/"
+                          "platform; run with train.compile=false")
+    if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++"))
+                                     or shutil.which("c++")):
+        raise ConfigError("train.compile=true on CPU needs a C++ compiler (g++), none found; "
+                          "run with train.compile=false")
+    return torch.compile(module)
+
+
+def time_local_backward(train_model, sync, precision, data, memory_format, device,
+                        passes: int) -> float:
+    """Median backward time (ms) of `passes` micro-steps that do not communicate (after two
+    untimed ones). Runs under fork_rng and leaves no gradients, so training is unaffected."""
+    x, y = next(data.train.epoch(0))
+    x = x.contiguous(memory_format=memory_format)
+    timer = StepTimer(device, warmup=2)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for _ in range(passes + 2):
+            timer.restart()
+            with sync.no_sync():
+                with precision.autocast():
+                    loss = F.cross_entropy(train_model(x), y)
+                timer.mark("forward")
+                precision.scaler.scale(loss).backward()
+                timer.mark("backward")
+            timer.end_step()
+            train_model.zero_grad(set_to_none=True)
+    return timer.summary()["backward_ms"]
 
 
 def parameter_digest(model: torch.nn.Module) -> str:

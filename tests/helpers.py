@@ -17,7 +17,7 @@ from ddp_lab.train import CONF_DIR, _register_resolvers
 
 REPO = os.path.dirname(CONF_DIR)
 # Small, fast, deterministic runs: dropout off so ranks and world sizes are comparable.
-FAST = ["train.progress=false", "model.dropout=0", "train.timing_warmup=0"]
+FAST = ["train.progress=false", "model.dropout=0", "train.timing_warmup=0", "train.calibrate_steps=0"]
 
 
 def compose_config(overrides: list[str] = (), config_name: str = "config"):
