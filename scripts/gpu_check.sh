@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU smoke check of the training loop: one short run per setting on synthetic 224 px AlexNet,
+# then a table of img/s and the step-time breakdown from each summary.json.
+#   scripts/gpu_check.sh [out_dir] [extra overrides...]
+set -uo pipefail
+OUT_DIR=${1:-${OUT:-outputs/gpu_check}}; shift || true
+mkdir -p "$OUT_DIR"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+common="data=synthetic train.max_steps=${STEPS:-60} train.timing_warmup=10 train.eval_every_epochs=0 train.progress=false train.resume=never"
+run() {  # name, overrides...
+  local name=$1; shift
+  python3 -m ddp_lab.train $common hydra.run.dir="$OUT_DIR/$name" "$@" "${EXTRA[@]}" > "$OUT_DIR/$name.log" 2>&1 \
+    || { echo "FAILED $name"; tail -20 "$OUT_DIR/$name.log"; }
+}
+EXTRA=("$@")
+run fp32        model=alexnet sync=none precision=fp32 train.batch_size=256
+run tf32        model=alexnet sync=none precision=tf32 train.batch_size=256
+run fp16        model=alexnet sync=none precision=fp16 train.batch_size=256
+run bf16        model=alexnet sync=none precision=bf16 train.batch_size=256
+run bf16_cl     model=alexnet sync=none precision=bf16 train.batch_size=256 train.channels_last=true
+run bf16_cl_ddp model=alexnet sync=ddp  precision=bf16 train.batch_size=256 train.channels_last=true
+run bf16_cl_compile model=alexnet sync=none precision=bf16 train.batch_size=256 train.channels_last=true train.compile=true
+run cifar_synth model=alexnet_cifar sync=none precision=bf16 train.batch_size=512 train.channels_last=true
+run cifar_digits model=alexnet_cifar data=digits sync=none precision=bf16 train.batch_size=512 train.channels_last=true train.max_steps=30
+python3 - "$OUT_DIR" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+print(f"{'run':18} {'img/s':>9} {'step':>7} {'fwd':>6} {'bwd':>6} {'exp.comm':>8} {'optim':>6} {'data':>6} {'GiB':>5}")
+for name in sorted(os.listdir(out)):
+    p = os.path.join(out, name, "summary.json")
+    if not os.path.exists(p):
+        continue
+    s = json.load(open(p)); t = s["time_ms"]
+    print(f"{name:18} {s['train_img_per_s']:9.0f} {t.get('step',0):7.2f} {t.get('forward',0):6.2f} {t.get('backward',0):6.2f} "
+          f"{t.get('exposed_comm',0):8.2f} {t.get('optim',0):6.2f} {t.get('data',0):6.2f} {s.get('max_memory_allocated_GiB',0):5.1f}")
+PY
