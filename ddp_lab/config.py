@@ -90,6 +90,7 @@ class TrainConfig:
     eval_every_epochs: int = 1  # 0: evaluate only at the end
     channels_last: bool = False
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile mode: default | max-autotune | ...
     cudnn_benchmark: bool = True
     progress: bool = True  # progress bar on rank 0
     resume: str = "auto"  # auto | never | path to a checkpoint
@@ -127,6 +128,8 @@ CHOICES = {
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
     "optim.schedule": ("cosine", "constant"),
     "dist.backend": ("auto", "gloo", "nccl"),
+    "train.compile_mode": ("default", "reduce-overhead", "max-autotune",
+                           "max-autotune-no-cudagraphs"),
 }
 
 POSITIVE = ("train.batch_size", "train.accum_steps", "train.log_every", "model.image_size",

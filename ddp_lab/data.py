@@ -58,6 +58,9 @@ class TensorImages:
         self.mean, self.std = self.mean.to(device), self.std.to(device)
         return self
 
+    def to_channels_last(self) -> None:
+        self.images = self.images.contiguous(memory_format=torch.channels_last)
+
     def fetch(self, idx: torch.Tensor, augment_keys: tuple | None = None):
         x = self.images[idx]
         if augment_keys is not None:
@@ -83,6 +86,9 @@ class SyntheticImages:
     def __len__(self) -> int:
         return self.length
 
+    def to_channels_last(self) -> None:
+        self.pool = self.pool.contiguous(memory_format=torch.channels_last)
+
     def fetch(self, idx: torch.Tensor, augment_keys: tuple | None = None):
         labels = sample_hash(idx, self.seed) % self.num_classes
         return self.pool[idx % len(self.pool)], labels
@@ -99,7 +105,7 @@ def random_crop_flip(x: torch.Tensor, idx: torch.Tensor, keys: tuple, pad: int =
     cols = dx[:, None] + torch.arange(w, device=x.device)  # [b, w]
     cols = torch.where(flip[:, None], cols.flip(1), cols)
     out = xp[torch.arange(b, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
-    return out.permute(0, 3, 1, 2).contiguous()  # advanced indexing put channels last
+    return out.permute(0, 3, 1, 2)  # [b,h,w,c] -> NCHW view, channels_last in memory
 
 
 # ---- data sets -------------------------------------------------------------------------------
@@ -274,10 +280,12 @@ def build_data(cfg, rank: int, world_size: int, device) -> Data:
                                                    num_workers=d.num_workers)
         train, val = make(train_set, train_indices, True), make(val_set, val_indices, False)
     else:
-        if d.on_device:
-            for ds in (train_set, val_set):
-                if isinstance(ds, TensorImages):
-                    ds.to(device)
+        for ds in (train_set, val_set):
+            if isinstance(ds, TensorImages) and d.on_device:
+                ds.to(device)
+            if cfg.train.channels_last:
+                # Indexing keeps the layout, so batches come out channels_last with no extra copy.
+                ds.to_channels_last()
         augment_seed = cfg.seed if d.augment and d.name != "synthetic" else None
         train = DeviceBatches(train_set, train_indices, cfg.train.batch_size, device, True,
                               augment_seed=augment_seed)

@@ -73,7 +73,7 @@ def _train(cfg, run_dir, info, logger) -> dict:
     sync = build_sync(cfg.sync, info)
     train_model = sync.prepare(model)  # DDP wrapper, or the model with our hooks installed
     if tcfg.compile:
-        train_model = compile_model(train_model, device)
+        train_model = compile_model(train_model, device, tcfg.compile_mode)
     optimizer = build_optimizer(cfg.optim, model.parameters(), device)
 
     steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
@@ -266,7 +266,7 @@ def _train(cfg, run_dir, info, logger) -> dict:
     return summary
 
 
-def compile_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def compile_model(module: torch.nn.Module, device: torch.device, mode: str) -> torch.nn.Module:
     """torch.compile, refused up front (not deep inside the first step) where it cannot work."""
     import shutil
 
@@ -279,7 +279,7 @@ def compile_model(module: torch.nn.Module, device: torch.device) -> torch.nn.Mod
                                      or shutil.which("c++")):
         raise ConfigError("train.compile=true on CPU needs a C++ compiler (g++), none found; "
                           "run with train.compile=false")
-    return torch.compile(module)
+    return torch.compile(module, mode=mode)
 
 
 def time_local_backward(train_model, sync, precision, data, memory_format, device,
