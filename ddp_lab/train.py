@@ -181,8 +181,9 @@ def _train(cfg, run_dir, info, logger) -> dict:
         done = step + 1
         if done % tcfg.log_every == 0 or done == stop_step:
             dist.all_reduce(loss_window)  # the global batch's loss: (sum over ranks) / ranks
-            elapsed = time.perf_counter() - clock_t0  # .item() below waits for the GPU
-            metrics = {"train/loss": loss_window.item() / (window_steps * info.world_size),
+            mean_loss = loss_window.item() / (window_steps * info.world_size)  # waits for the GPU
+            elapsed = time.perf_counter() - clock_t0  # so the clock is read after the work is done
+            metrics = {"train/loss": mean_loss,
                        "train/lr": scheduler.get_last_lr()[0],
                        "throughput/img_per_s": clock_steps * global_batch / elapsed,
                        "time/step_ms": elapsed / clock_steps * 1e3,
