@@ -3,8 +3,8 @@ process: same model, batch, precision, channels_last, compile, optimizer (SGD mo
 data already on the device. A matrix over precision x channels_last x compile x batch.
 
     python -m ddp_lab.bench.train_throughput                                  # 224 px AlexNet, GPU
-    python -m ddp_lab.bench.train_throughput precision=[bf16] channels_last=[true] compile=[true]
-    python -m ddp_lab.bench.train_throughput model=alexnet_cifar batch=[512,2048]
+    python -m ddp_lab.bench.train_throughput precisions=[bf16] channels_last=[true] compile=[true]
+    python -m ddp_lab.bench.train_throughput net=alexnet_cifar batches=[512,2048]
     python -m ddp_lab.bench.train_throughput profile=true                    # top kernels per precision
     python -m ddp_lab.bench.train_throughput device=cpu                      # AlexNet-CIFAR, tiny
 
@@ -53,17 +53,18 @@ from ddp_lab.config import ConfigError
 @dataclass
 class TrainThroughputConfig:
     device: str = "auto"  # auto | cpu | cuda
-    model: str = "alexnet"
-    precision: list[str] = field(default_factory=lambda: ["fp32", "tf32", "fp16", "bf16"])
+    # (not model= / precision=: those are config groups in conf/, which this app shares)
+    net: str = "alexnet"  # alexnet | alexnet_cifar
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "tf32", "fp16", "bf16"])
     channels_last: list[bool] = field(default_factory=lambda: [False, True])
     compile: list[bool] = field(default_factory=lambda: [False])
-    batch: list[int] = field(default_factory=lambda: [256])
+    batches: list[int] = field(default_factory=lambda: [256])
     steps: int = 30  # timed steps per loop
     warmup: int = 10  # steps before timing (cuDNN autotuning, compilation)
     # What runs instead when device resolves to cpu (a CPU cannot do 224 px AlexNet quickly):
-    cpu_model: str = "alexnet_cifar"
-    cpu_precision: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
-    cpu_batch: list[int] = field(default_factory=lambda: [16])
+    cpu_net: str = "alexnet_cifar"
+    cpu_precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    cpu_batches: list[int] = field(default_factory=lambda: [16])
     cpu_steps: int = 5
     cpu_warmup: int = 2
     repeats: int = 1  # alternate bare/ddp this many times per row; medians reported
@@ -207,6 +208,10 @@ def ddp_loop(cfg, run_dir: str, keep_checkpoints: bool = False) -> dict:
 
     if cfg.train.compile:
         torch._dynamo.reset()  # as for the bare loop: a fresh compile, no cache-limit fallback
+    from ddp_lab.dist import _free_port, under_torchrun
+
+    if not under_torchrun():  # each in-process run gets its own rendezvous port
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
     summary = train(cfg, run_dir)
     if not keep_checkpoints:
         for f in os.listdir(run_dir):
@@ -306,12 +311,12 @@ def run(cfg, run_dir: str) -> list[dict]:
 
     device = resolve_device(cfg.device)
     on_cpu = device.type == "cpu"
-    model = cfg.cpu_model if on_cpu else cfg.model
-    precisions = cfg.cpu_precision if on_cpu else cfg.precision
-    batches = cfg.cpu_batch if on_cpu else cfg.batch
+    model = cfg.cpu_net if on_cpu else cfg.net
+    precisions = cfg.cpu_precisions if on_cpu else cfg.precisions
+    batches = cfg.cpu_batches if on_cpu else cfg.batches
     steps, warmup = (cfg.cpu_steps, cfg.cpu_warmup) if on_cpu else (cfg.steps, cfg.warmup)
     if model not in MODELS:
-        raise ConfigError(f"model={model!r} is not one of {', '.join(MODELS)}")
+        raise ConfigError(f"net={model!r} is not one of {', '.join(MODELS)}")
     if steps <= 0 or warmup < 0 or cfg.repeats <= 0 or min(batches, default=0) <= 0:
         raise ConfigError("steps and repeats must be > 0, warmup >= 0, batches > 0")
     bad = [p for p in precisions if p not in mem.PRECISION_SCHEME]
@@ -322,8 +327,13 @@ def run(cfg, run_dir: str) -> list[dict]:
     classes = 1000 if model == "alexnet" else 10
     flops = compute.count_flops(MODELS[model](num_classes=classes), (3, size, size)).step
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    measured = compute.measured_peaks(cfg.gemm_results) if cfg.gemm_results else {}
+    measured = {}
+    if cfg.gemm_results:
+        if not os.path.exists(cfg.gemm_results):
+            raise ConfigError(f"gemm_results={cfg.gemm_results!r} does not exist")
+        measured = compute.measured_peaks(cfg.gemm_results)
     mem_cache: dict = {}
+    net = MODELS[model](num_classes=classes) if cfg.predict_memory else None
 
     rows = []
     combos = list(itertools.product(precisions, cfg.channels_last, cfg.compile, batches))
@@ -358,7 +368,6 @@ def run(cfg, run_dir: str) -> list[dict]:
         gemm_dtype = "tf32" if precision == "tf32" else precision
         row["mfu_gemm"] = compute.mfu(row["ddp_tflops"], measured.get(gemm_dtype, float("nan")))
         if cfg.predict_memory:
-            net = MODELS[model](num_classes=classes)
             if (precision, cl) not in mem_cache:  # the activation measurement is a CPU forward
                 mem_cache[(precision, cl)] = mem.activation_bytes(net, (3, size, size),
                                                                   mem.AUTOCAST[precision], cl)
