@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every benchmark of the seeds' claims (and issue 4's anchors) on one GPU, in about 6 minutes.
+# Every benchmark of the seeds' claims (and issue 4's anchors) on one GPU, in under 8 minutes.
 #
 #   scripts/gpu_bench.sh [OUT_DIR]        # default: $OUT if set, else outputs/gpu_bench
 #
