@@ -15,27 +15,116 @@ import torch
 
 
 def time_fn(fn: Callable[[], object], device: torch.device | str, warmup: int = 3,
-            iters: int = 10, min_seconds: float = 0.0) -> float:
+            iters: int = 10, min_seconds: float = 0.0, inner: int = 1) -> float:
     """Median seconds per call of fn() after `warmup` calls; at least `iters` timed calls (more
-    until `min_seconds` of timed work, for very fast calls)."""
+    until `min_seconds` of timed work, for very fast calls).
+
+    `inner` > 1 times that many back-to-back calls per sample and divides: for calls of a few
+    microseconds, where one event pair (or clock pair) per call would mostly time launch latency."""
     device = torch.device(device)
     for _ in range(warmup):
         fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # warm-up work must not leak into the first sample
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < iters or (time.perf_counter() - start < min_seconds and len(times) < 10_000):
         if device.type == "cuda":
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0.record()
-            fn()
+            for _ in range(inner):
+                fn()
             t1.record()
             t1.synchronize()
-            times.append(t0.elapsed_time(t1) / 1e3)
+            times.append(t0.elapsed_time(t1) / 1e3 / inner)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
+
+
+def calls_per_sample(fn: Callable[[], object], device: torch.device | str,
+                     target_s: float = 1e-3, max_calls: int = 1000) -> int:
+    """How many back-to-back calls of fn() make about `target_s` of work (the `inner` of
+    time_fn): one synchronised trial call, then a ratio. Also serves as one more warm-up call."""
+    device = torch.device(device)
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    dt = time.perf_counter() - t0
+    return max(1, min(max_calls, int(target_s / max(dt, 1e-9))))
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for queued work on `device` (a no-op on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`device=auto|cpu|cuda` -> a torch.device; asking for CUDA without one is a ConfigError."""
+    from ddp_lab.config import ConfigError
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={name!r} is not one of auto, cpu, cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but torch sees no CUDA device here; use device=cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
+
+
+def environment(device: torch.device | str) -> dict:
+    """How a benchmark was made: versions, the device's name, CPU threads, git commit."""
+    import platform
+    import socket
+
+    device = torch.device(device)
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device),
+            "hostname": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    sm_count=props.multi_processor_count,
+                    capability=f"{props.major}.{props.minor}")
+    try:
+        from ddp_lab.train import git_commit
+
+        info["git_commit"] = git_commit()
+    except Exception:  # a benchmark must not fail for want of git
+        info["git_commit"] = "unknown"
+    return info
+
+
+def report(rows: Sequence[dict], out_dir: str, name: str, columns: Sequence[str] | None = None,
+           title: str = "", notes: Sequence[str] = ()) -> str:
+    """Print `title`, the table and `notes`; write the rows (JSON lines + CSV). Returns the table."""
+    table = format_table(rows, columns)
+    if title:
+        print(f"\n== {title} ==", flush=True)
+    print(table, flush=True)
+    for note in notes:
+        print(f"  * {note}", flush=True)
+    write_rows(rows, out_dir, name)
+    return table
+
+
+def write_info(out_dir: str, name: str, cfg, device, **extra) -> str:
+    """out_dir/name_info.json: the resolved config, the environment and anything in `extra`."""
+    from omegaconf import OmegaConf
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}_info.json")
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True) if cfg is not None else {}
+    with open(path, "w") as f:
+        json.dump({"config": cfg_dict, "environment": environment(device), **extra}, f,
+                  indent=2, default=str)
+    return path
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:

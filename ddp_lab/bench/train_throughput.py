@@ -1,0 +1,454 @@
+"""Training throughput of the ddp_lab loop against a minimal bare PyTorch loop, side by side in one
+process: same model, batch, precision, channels_last, compile, optimizer (SGD momentum), synthetic
+data already on the device. A matrix over precision x channels_last x compile x batch.
+
+    python -m ddp_lab.bench.train_throughput                                  # 224 px AlexNet, GPU
+    python -m ddp_lab.bench.train_throughput precisions=[bf16] channels_last=[true] compile=[true]
+    python -m ddp_lab.bench.train_throughput net=alexnet_cifar batches=[512,2048]
+    python -m ddp_lab.bench.train_throughput profile=true                    # top kernels per precision
+    python -m ddp_lab.bench.train_throughput device=cpu                      # AlexNet-CIFAR, tiny
+
+The two sides of a row:
+- ddp: `ddp_lab.train.train(cfg, run_dir)` in-process with data=synthetic sync=none, composed from
+  conf/ like the CLI would; its `train_img_per_s` counts timed steps only (its StepTimer: CUDA
+  events, `timing_warmup` steps left out, and the clock restarted after evaluation and
+  checkpointing, which therefore do not count).
+- bare: the loop in `bare_loop` below, the reference: one fixed random batch on the device,
+  autocast forward, (scaled) backward, optimizer step, zero_grad(set_to_none). CUDA events at each
+  step boundary (no host sync inside the timed steps), warm-up steps left out.
+img/s = batch * steps / sum(step times) for both (`ratio`), and batch / median step (`ratio_med`).
+The ddp side also pays for what a real loop does: indexing its data pool, labels, LR schedule,
+loss bookkeeping, a step timer; the ratio is that overhead.
+
+MFU = achieved / peak, achieved = FLOPs per image per training step (counted by
+`ddp_lab.cost.compute`) x img/s; `mfu_sheet` against the datasheet peak of the precision,
+`mfu_gemm` against the best GEMM measured by `ddp_lab.bench.gemm` (`gemm_results=.../gemm.jsonl`).
+`pred_mem_gb` is `ddp_lab.cost.memory`'s predicted peak of a step, `peak_mem_gb` what the bare
+loop's steps reached (`torch.cuda.max_memory_allocated`, CUDA only).
+
+Profile (`profile=true`): a torch.profiler pass of the bare loop per precision (eager, first
+batch and channels_last value), listing the top CUDA kernels by time. `tensor_core` is a name
+heuristic, see `is_tensor_core_kernel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import os
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from hydra.core.config_store import ConfigStore
+
+from ddp_lab.bench.common import plot_lines, report, resolve_device, sync, write_info, write_rows
+from ddp_lab.config import ConfigError
+
+
+@dataclass
+class TrainThroughputConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    # (not model= / precision=: those are config groups in conf/, which this app shares)
+    net: str = "alexnet"  # alexnet | alexnet_cifar
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "tf32", "fp16", "bf16"])
+    channels_last: list[bool] = field(default_factory=lambda: [False, True])
+    compile: list[bool] = field(default_factory=lambda: [False])
+    batches: list[int] = field(default_factory=lambda: [256])
+    steps: int = 30  # timed steps per loop
+    warmup: int = 10  # steps before timing (cuDNN autotuning, compilation)
+    # What runs instead when device resolves to cpu (a CPU cannot do 224 px AlexNet quickly):
+    cpu_net: str = "alexnet_cifar"
+    cpu_precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    cpu_batches: list[int] = field(default_factory=lambda: [16])
+    cpu_steps: int = 5
+    cpu_warmup: int = 2
+    repeats: int = 1  # alternate bare/ddp this many times per row; medians reported
+    ddp_overrides: list[str] = field(default_factory=list)  # extra overrides for the ddp_lab side
+    seed: int = 0
+    predict_memory: bool = True
+    gemm_results: str = ""  # a gemm.jsonl from ddp_lab.bench.gemm: measured peaks for mfu_gemm
+    matrix: bool = True  # false: skip the throughput matrix (e.g. profile only)
+    keep_checkpoints: bool = False  # the ddp_lab side writes checkpoint.pt (~0.5 GB for AlexNet)
+    profile: bool = False
+    profile_steps: int = 5
+    top_k: int = 12
+    plot: bool = False
+
+
+ConfigStore.instance().store(name="bench_train_throughput_schema", node=TrainThroughputConfig)
+
+
+# ---- composing the ddp_lab config ----------------------------------------------------------------
+
+def _ensure_synthetic_data_option(conf_dir: str) -> None:
+    """conf/data/*.yaml is matched by the repository's .gitignore (`data/`), so a fresh checkout
+    (or the copy a remote machine gets) may lack it. Then offer a built-in `data=synthetic` with
+    the same values, and say so; with the file present Hydra uses the file."""
+    if os.path.exists(os.path.join(conf_dir, "data", "synthetic.yaml")):
+        return
+    from ddp_lab.config import DataConfig
+
+    print("warning: conf/data/synthetic.yaml is missing (conf/data/ is matched by .gitignore's "
+          "'data/' pattern); using a built-in data=synthetic with the same values", flush=True)
+    ConfigStore.instance().store(group="data", name="synthetic", node=DataConfig(
+        name="synthetic", num_samples=50_000, val_samples=1_024, pool_size=256))
+
+
+def compose_train_config(overrides: list[str]):
+    """conf/config.yaml + overrides, as `python -m ddp_lab.train` would compose them. Inside a
+    running Hydra app (this benchmark's CLI) Hydra is already initialised on conf/; elsewhere
+    (tests) it is initialised for the call."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ddp_lab.config import register_configs
+    from ddp_lab.train import CONF_DIR, _register_resolvers
+
+    register_configs()
+    _register_resolvers()
+    _ensure_synthetic_data_option(CONF_DIR)
+    if GlobalHydra.instance().is_initialized():
+        return compose("config", overrides=list(overrides))
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def row_overrides(model: str, precision: str, channels_last: bool, compile_: bool, batch: int,
+                  steps: int, warmup: int, device: torch.device, seed: int,
+                  extra: list[str] = ()) -> list[str]:
+    return [f"model={model}", "data=synthetic", "sync=none", f"precision={precision}",
+            f"train.batch_size={batch}", f"train.channels_last={str(channels_last).lower()}",
+            f"train.compile={str(compile_).lower()}", f"train.max_steps={warmup + steps}",
+            f"train.timing_warmup={warmup}", "train.progress=false", "train.eval_every_epochs=0",
+            "train.resume=never", f"train.log_every={warmup + steps}",
+            f"data.val_samples={batch}",  # evaluation is not timed; keep it short anyway
+            f"data.num_samples={max(50_000, batch * (warmup + steps + 1))}",  # one epoch, no refill
+            f"dist.backend={'nccl' if device.type == 'cuda' else 'gloo'}", f"seed={seed}", *extra]
+
+
+# ---- the bare reference loop -------------------------------------------------------------------
+
+AUTOCAST = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def make_bare_step(cfg, device: torch.device, compile_: bool):
+    """The whole reference training step, from the composed config's values (so both loops use
+    the same model, dropout, precision flags and optimizer hyper-parameters). Returns (step, batch)."""
+    from ddp_lab.models import build_model
+
+    torch.manual_seed(cfg.seed)
+    torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
+    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+    fmt = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    classes, size, batch = cfg.model.default_classes, cfg.model.image_size, cfg.train.batch_size
+    model = build_model(cfg.model.name, classes, cfg.model.dropout).to(device, memory_format=fmt)
+    o = cfg.optim
+    opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                          weight_decay=o.weight_decay,
+                          **({"fused": True} if device.type == "cuda" else {}))
+    amp_dtype = AUTOCAST[cfg.precision.autocast_dtype]
+    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.precision.init_scale,
+                                  enabled=cfg.precision.grad_scaler)
+    if compile_:
+        torch._dynamo.reset()  # each compiled model starts fresh (no cache-limit fallback to eager)
+    fwd = torch.compile(model) if compile_ else model
+    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
+    y = torch.randint(0, classes, (batch,), device=device)
+
+    def step() -> torch.Tensor:
+        with (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()):
+            loss = F.cross_entropy(fwd(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, batch
+
+
+def bare_loop(cfg, device: torch.device, steps: int, warmup: int) -> dict:
+    """Time `steps` reference steps after `warmup`: img/s (mean and median), peak memory."""
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    step, batch = make_bare_step(cfg, device, cfg.train.compile)
+    for _ in range(warmup):
+        loss = step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for i in range(steps):
+            loss = step()
+            marks[i + 1].record()
+        marks[-1].synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        t = [time.perf_counter()]
+        for _ in range(steps):
+            loss = step()
+            t.append(time.perf_counter())
+        times = [b - a for a, b in zip(t, t[1:])]
+        peak = float("nan")
+    final_loss = loss.float().item()
+    return {"img_s": batch * steps / sum(times), "img_s_med": batch / statistics.median(times),
+            "step_ms_med": statistics.median(times) * 1e3, "peak_mem_bytes": peak,
+            "loss": final_loss}
+
+
+def ddp_loop(cfg, run_dir: str, keep_checkpoints: bool = False) -> dict:
+    from ddp_lab.train import train
+
+    if cfg.train.compile:
+        torch._dynamo.reset()  # as for the bare loop: a fresh compile, no cache-limit fallback
+    from ddp_lab.dist import _free_port, under_torchrun
+
+    if not under_torchrun():  # each in-process run gets its own rendezvous port
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    summary = train(cfg, run_dir)
+    if not keep_checkpoints:
+        for f in os.listdir(run_dir):
+            if f.startswith("checkpoint") and f.endswith(".pt"):
+                os.remove(os.path.join(run_dir, f))
+    step_ms = summary["time_ms"].get("step", float("nan"))
+    return {"img_s": summary["train_img_per_s"],
+            "img_s_med": summary["global_batch"] / (step_ms / 1e3) if step_ms else float("nan"),
+            "step_ms_med": step_ms, "timed_steps": summary["timed_steps"]}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- profiling ---------------------------------------------------------------------------------
+
+# A kernel runs on tensor cores if its name says it issues MMA instructions or takes 16-bit /
+# TF32 operands in a library GEMM/conv. The markers, from cuBLAS/cuDNN/CUTLASS naming:
+#   hmma (Volta/Turing/Ampere half MMA), wgmma/gmma (Hopper warpgroup MMA), tensorop (CUTLASS),
+#   s16816/16816/1688/884 (MMA instruction shapes), xmma (NVIDIA's GEMM/conv template library),
+#   cutlass, sm80_/sm90_ (arch-tuned library kernels), nvjet (Hopper cuBLASLt), and operand types
+#   bf16 / f16 / tf32 in the name.
+# They are trumped by markers of CUDA-core (SIMT) arithmetic, because xmma/sm90/cutlass kernels
+# also exist in fp32 SIMT form: ffma (fused multiply-add on CUDA cores), sgemm/dgemm (classic
+# SIMT GEMMs, e.g. ampere_sgemm_128x64_nn, implicit_convolve_sgemm), simt, and the operand types
+# f32f32_f32f32 (fp32 in, fp32 math). ATen's own kernels (at::native::..., elementwise,
+# reductions) and Inductor's pointwise/reduction Triton kernels never use tensor cores. "gemm" alone proves nothing (sgemm is SIMT).
+# It is a heuristic on names; the definitive check is Nsight Compute's tensor-pipe counters
+# (sm__pipe_tensor_op_hmma_cycles_active).
+TC_MARKERS = ("hmma", "wgmma", "gmma", "tensorop", "16816", "1688", "884", "xmma", "cutlass",
+              "sm80_", "sm86_", "sm89_", "sm90_", "sm100_", "nvjet", "bf16", "f16", "tf32")
+SIMT_MARKERS = ("ffma", "sgemm", "dgemm", "simt", "f32f32_f32f32", "at::native", "triton_poi",
+                "triton_red", "triton_per")
+
+
+def is_tensor_core_kernel(name: str) -> bool:
+    n = name.lower()
+    if any(m in n for m in SIMT_MARKERS):
+        return False
+    return any(m in n for m in TC_MARKERS)
+
+
+def profile_pass(cfg, device: torch.device, steps: int, top_k: int) -> tuple[list[dict], dict]:
+    """Profile `steps` eager bare steps; returns (top kernels or CPU ops, summary)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step, _ = make_bare_step(cfg, device, compile_=False)
+    for _ in range(3):
+        step()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    if device.type == "cuda":
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                totals[e.name][0] += e.time_range.elapsed_us()
+                totals[e.name][1] += 1
+        if not totals:  # older/newer profilers: fall back to the averaged table's device times
+            for e in prof.key_averages():
+                t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                if t and e.device_type == DeviceType.CUDA:
+                    totals[e.key] = [t, e.count]
+    else:
+        for e in prof.key_averages():
+            totals[e.key] = [e.self_cpu_time_total, e.count]
+    all_us = sum(t for t, _ in totals.values()) or float("nan")
+    rows = []
+    for name, (us, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        tc = is_tensor_core_kernel(name) if device.type == "cuda" else None
+        rows.append({"precision": cfg.precision.name, "kernel": name[:110],
+                     "calls_per_step": calls / steps, "ms_per_step": us / 1e3 / steps,
+                     "pct": 100 * us / all_us, "tensor_core": "n/a" if tc is None else ("yes" if tc else "no")})
+    tc_us = sum(us for name, (us, _) in totals.items()
+                if device.type == "cuda" and is_tensor_core_kernel(name))
+    summary = {"precision": cfg.precision.name, "channels_last": cfg.train.channels_last,
+               "batch": cfg.train.batch_size,
+               "gpu_ms_per_step" if device.type == "cuda" else "cpu_ms_per_step": all_us / 1e3 / steps,
+               "kernels": len(totals),
+               "tensor_core_pct": 100 * tc_us / all_us if device.type == "cuda" else float("nan"),
+               "top_kernel": rows[0]["kernel"][:60] if rows else ""}
+    return rows[:top_k], summary
+
+
+# ---- the benchmark -----------------------------------------------------------------------------
+
+def run(cfg, run_dir: str) -> list[dict]:
+    from ddp_lab.cost import compute, memory as mem
+    from ddp_lab.models import MODELS
+
+    device = resolve_device(cfg.device)
+    on_cpu = device.type == "cpu"
+    model = cfg.cpu_net if on_cpu else cfg.net
+    precisions = cfg.cpu_precisions if on_cpu else cfg.precisions
+    batches = cfg.cpu_batches if on_cpu else cfg.batches
+    steps, warmup = (cfg.cpu_steps, cfg.cpu_warmup) if on_cpu else (cfg.steps, cfg.warmup)
+    if model not in MODELS:
+        raise ConfigError(f"net={model!r} is not one of {', '.join(MODELS)}")
+    if steps <= 0 or warmup < 0 or cfg.repeats <= 0 or min(batches, default=0) <= 0:
+        raise ConfigError("steps and repeats must be > 0, warmup >= 0, batches > 0")
+    bad = [p for p in precisions if p not in mem.PRECISION_SCHEME]
+    if bad:
+        raise ConfigError(f"precision {bad[0]!r} is not one of {', '.join(mem.PRECISION_SCHEME)}")
+
+    size = 224 if model == "alexnet" else 32
+    classes = 1000 if model == "alexnet" else 10
+    flops = compute.count_flops(MODELS[model](num_classes=classes), (3, size, size)).step
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    measured = {}
+    if cfg.gemm_results:
+        if not os.path.exists(cfg.gemm_results):
+            raise ConfigError(f"gemm_results={cfg.gemm_results!r} does not exist")
+        measured = compute.measured_peaks(cfg.gemm_results)
+    mem_cache: dict = {}
+    net = MODELS[model](num_classes=classes) if cfg.predict_memory else None
+
+    rows = []
+    combos = list(itertools.product(precisions, cfg.channels_last, cfg.compile, batches))
+    if not cfg.matrix:
+        combos = []
+    for i, (precision, cl, comp, batch) in enumerate(combos):
+        name = f"{precision}_cl{int(cl)}_compile{int(comp)}_b{batch}"
+        print(f"[{i + 1}/{len(combos)}] {name}", flush=True)
+        tcfg = compose_train_config(row_overrides(model, precision, cl, comp, batch, steps, warmup,
+                                                  device, cfg.seed, cfg.ddp_overrides))
+        bares, ddps = [], []
+        for rep in range(cfg.repeats):
+            order = ("bare", "ddp") if rep % 2 == 0 else ("ddp", "bare")
+            for side in order:
+                _free(device)
+                if side == "bare":
+                    bares.append(bare_loop(tcfg, device, steps, warmup))
+                else:
+                    ddps.append(ddp_loop(tcfg, os.path.join(run_dir, "ddp_lab", f"{name}_r{rep}"),
+                                         cfg.keep_checkpoints))
+        med = lambda xs, k: statistics.median(x[k] for x in xs)
+        row = {"model": model, "precision": precision, "channels_last": cl, "compile": comp,
+               "batch": batch, "steps": steps,
+               "ddp_img_s": med(ddps, "img_s"), "bare_img_s": med(bares, "img_s")}
+        row["ratio"] = row["ddp_img_s"] / row["bare_img_s"]
+        row["ddp_img_s_med"], row["bare_img_s_med"] = med(ddps, "img_s_med"), med(bares, "img_s_med")
+        row["ratio_med"] = row["ddp_img_s_med"] / row["bare_img_s_med"]
+        row["ddp_step_ms"], row["bare_step_ms"] = med(ddps, "step_ms_med"), med(bares, "step_ms_med")
+        row["gflop_per_img"] = flops / 1e9
+        row["ddp_tflops"] = compute.achieved_tflops(flops, row["ddp_img_s"])
+        row["mfu_sheet"] = compute.mfu(row["ddp_tflops"], compute.datasheet_peak(dev_name, precision))
+        gemm_dtype = "tf32" if precision == "tf32" else precision
+        row["mfu_gemm"] = compute.mfu(row["ddp_tflops"], measured.get(gemm_dtype, float("nan")))
+        if cfg.predict_memory:
+            if (precision, cl) not in mem_cache:  # the activation measurement is a CPU forward
+                mem_cache[(precision, cl)] = mem.activation_bytes(net, (3, size, size),
+                                                                  mem.AUTOCAST[precision], cl)
+            pred = mem.predict_training_memory(net, batch, size, precision, "sgd_momentum", cl,
+                                               activations=mem_cache[(precision, cl)])
+            row["pred_mem_gb"] = pred["total"] / 1e9
+            row["peak_mem_gb"] = med(bares, "peak_mem_bytes") / 1e9
+        row["bare_loss"] = bares[-1]["loss"]
+        row["ok"] = bool(all(d["timed_steps"] == steps for d in ddps)
+                         and all(b["loss"] == b["loss"] and abs(b["loss"]) != float("inf") for b in bares))
+        rows.append(row)
+        print(f"    ddp {row['ddp_img_s']:.0f} img/s, bare {row['bare_img_s']:.0f} img/s, "
+              f"ratio {row['ratio']:.3f}", flush=True)
+
+    notes = [f"device {dev_name}; FLOPs per image per training step {flops / 1e9:.3f} G "
+             "(conv + matmul, forward + backward)",
+             f"{sum(not r['ok'] for r in rows)} row(s) with a failed check (a non-finite loss, or "
+             "fewer timed steps than asked)"]
+    if rows:
+        best = max(rows, key=lambda r: r["ddp_img_s"])
+        notes.append(f"best ddp_lab row: {best['precision']} channels_last={best['channels_last']} "
+                     f"compile={best['compile']} batch {best['batch']}: {best['ddp_img_s']:.0f} img/s, "
+                     f"{best['ddp_tflops']:.1f} TFLOP/s, MFU {best['mfu_sheet']:.1%} of the datasheet peak")
+        notes.append(f"ddp_lab / bare: median ratio {statistics.median(r['ratio'] for r in rows):.3f} "
+                     f"(min {min(r['ratio'] for r in rows):.3f}); the issue's target is >= 0.97")
+        fp32 = {(r["compile"], r["batch"]): r["ddp_img_s"] for r in rows
+                if r["precision"] == "fp32" and not r["channels_last"]}
+        for r in rows:
+            if r["precision"] == "bf16" and r["channels_last"] and (r["compile"], r["batch"]) in fp32:
+                notes.append(f"bf16 + channels_last vs fp32 (compile={r['compile']}, batch "
+                             f"{r['batch']}): {r['ddp_img_s'] / fp32[(r['compile'], r['batch'])]:.2f}x "
+                             "(target >= 3x)")
+    cols = ["precision", "channels_last", "compile", "batch", "ddp_img_s", "bare_img_s", "ratio",
+            "ratio_med", "ddp_step_ms", "ddp_tflops", "mfu_sheet", "mfu_gemm", "pred_mem_gb",
+            "peak_mem_gb", "ok"]
+    if combos:
+        report(rows, run_dir, "train_throughput", [c for c in cols if c in rows[0]],
+               title=f"training throughput: {model}, ddp_lab loop vs bare PyTorch loop", notes=notes)
+
+    prof_summary = []
+    if cfg.profile:
+        kernels = []
+        for precision in precisions:
+            tcfg = compose_train_config(row_overrides(model, precision, cfg.channels_last[0], False,
+                                                      batches[0], steps, warmup, device, cfg.seed,
+                                                      cfg.ddp_overrides))
+            _free(device)
+            try:
+                top, summ = profile_pass(tcfg, device, cfg.profile_steps, cfg.top_k)
+            except Exception as e:  # a profiler that fails here must not cost the other results
+                print(f"profile of {precision} failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            kernels += top
+            prof_summary.append(summ)
+            report(top, run_dir, f"kernels_{precision}",
+                   ["kernel", "calls_per_step", "ms_per_step", "pct", "tensor_core"],
+                   title=f"top {'CUDA kernels' if device.type == 'cuda' else 'CPU ops'}: {precision}")
+        report(prof_summary, run_dir, "profile_summary",
+               title="share of GPU kernel time on tensor cores, per precision",
+               notes=["tensor_core: a kernel-name heuristic (MMA / 16-bit / TF32 markers, "
+                      "overruled by ffma/sgemm/f32f32 SIMT markers); see is_tensor_core_kernel",
+                      "fp32 (TF32 off) should be near 0%, bf16/fp16 (and tf32) mostly tensor cores"])
+        write_rows(kernels, run_dir, "kernels")
+    if cfg.plot and rows:
+        xs = list(range(len(rows)))
+        plot_lines({"ddp_lab": (xs, [r["ddp_img_s"] for r in rows]),
+                    "bare": (xs, [r["bare_img_s"] for r in rows])},
+                   os.path.join(run_dir, "train_throughput.png"),
+                   xlabel="row (see train_throughput.csv)", ylabel="img/s",
+                   title=f"{model}: ddp_lab vs bare loop")
+    write_info(run_dir, "train_throughput", cfg, device, flops_per_image_step=flops,
+               measured_peaks=measured, profile=prof_summary)
+    print(f"-> {run_dir}")
+    return rows
+
+
+def main() -> None:
+    from ddp_lab.train import run_hydra_app
+
+    run_hydra_app(run, "bench/train_throughput")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Memory accounting: bytes for weights, gradients, optimizer states and master copies per
+precision scheme; activation memory of a CNN measured from the tensors autograd saves; and the
+predicted peak of a training step, to hold against `torch.cuda.max_memory_allocated`.
+
+Units: GB = 1e9 bytes (the seed articles' and the parameter-count arithmetic's unit). GPU memory
+sizes sold as "80 GB" / "141 GB" are closer to GiB (an A100 80GB has 80 GiB = 85.9e9 B); counting
+them as 1e9-byte GB is the conservative side, and the CUDA context takes some of it anyway.
+
+What is left out, on purpose, and comes on top of every number here: activations of models we
+only know by parameter count (they depend on batch, sequence length, checkpointing), KV caches,
+temporary buffers and library workspaces (cuBLAS/cuDNN), NCCL buffers, and allocator fragmentation
+(typically 5-30%).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GB = 1e9
+
+BYTES = {"fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5}
+
+# Optimizer state tensors per parameter.
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """Bytes per parameter of one way of training."""
+
+    weights: float  # the weights the forward uses (persistent)
+    grads: float
+    state: float  # per optimizer state tensor
+    master: float  # fp32 master copy of the weights (mixed precision)
+    transient: float  # 16-bit weight copies autocast makes for the forward/backward
+    what: str
+
+
+SCHEMES = {
+    "fp32": Scheme(4, 4, 4, 0, 0, "fp32 weights, grads and optimizer states (TF32 is the same)"),
+    "mixed": Scheme(2, 2, 4, 4, 0, "16-bit weights + grads, fp32 master copy and optimizer states "
+                                  "(Megatron/DeepSpeed mixed precision: 16 B/param with Adam)"),
+    "torch_amp": Scheme(4, 4, 4, 0, 2, "torch.autocast (ddp_lab precision=bf16|fp16): fp32 "
+                                       "weights/grads/states, + 16-bit weight copies per step"),
+    "bf16": Scheme(2, 2, 2, 0, 0, "pure bf16: weights, grads and optimizer states in bf16, "
+                                  "no master copy"),
+}
+
+# ddp_lab's precision= option -> the scheme it trains with.
+PRECISION_SCHEME = {"fp32": "fp32", "tf32": "fp32", "fp16": "torch_amp", "bf16": "torch_amp"}
+
+
+def training_bytes(params: float, scheme: str = "fp32", optimizer: str = "sgd_momentum") -> dict:
+    """Bytes of the training state of `params` parameters: weights, grads, optimizer states,
+    master copies (+ autocast's transient copies, counted separately). Activations not included.
+
+    1e9 parameters, fp32 + SGD momentum: 4 + 4 + 4 = 12 B/param = 12 GB.
+    Mixed precision + Adam: 2 + 2 + 4 (master) + 4 + 4 (Adam m, v) = 16 B/param."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; one of {', '.join(SCHEMES)}")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZER_STATES)}")
+    s = SCHEMES[scheme]
+    out = {"weights": params * s.weights, "grads": params * s.grads,
+           "optimizer": params * s.state * OPTIMIZER_STATES[optimizer],
+           "master": params * s.master, "transient": params * s.transient}
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["master"]
+    out["bytes_per_param"] = out["total"] / params if params else 0.0
+    return out
+
+
+def inference_bytes(params: float, dtype: str = "bf16") -> float:
+    """Bytes of the weights alone in `dtype` (no activations, no KV cache)."""
+    return params * BYTES[dtype]
+
+
+def gpus_needed(total_bytes: float, gpu_gb: float) -> int:
+    """GPUs of `gpu_gb` GB that can hold `total_bytes` if it is split perfectly across them
+    (ZeRO-3/FSDP sharding, or tensor/pipeline parallelism). A lower bound: activations,
+    workspaces and fragmentation come on top, and plain data parallelism (DDP) splits nothing:
+    every replica must hold everything."""
+    return max(1, math.ceil(total_bytes / (gpu_gb * GB)))
+
+
+# ---- parameter counts ----------------------------------------------------------------------
+
+def transformer_params(layers: int, d_model: int, vocab: int, d_ff: int | None = None,
+                       kv_dim: int | None = None, gated: bool = False, tied: bool = True,
+                       positions: int = 0) -> int:
+    """Parameters of a decoder-only transformer from its shape (biases and norms included only
+    approximately: they are < 0.1%). Attention: q, o of d x d, k, v of d x kv_dim; MLP: 2 (or 3
+    when gated, SwiGLU) matrices of d x d_ff; embeddings (tied or not) and learned positions."""
+    d_ff = d_ff or 4 * d_model
+    kv_dim = kv_dim or d_model
+    attn = 2 * d_model * d_model + 2 * d_model * kv_dim
+    mlp = (3 if gated else 2) * d_model * d_ff
+    norms_biases = 4 * d_model + (0 if gated else d_ff + 4 * d_model)
+    embed = vocab * d_model * (1 if tied else 2) + positions * d_model
+    return layers * (attn + mlp + norms_biases) + embed
+
+
+# Named models the seed articles use: the nominal count (what the table is computed with) and
+# the count from the published architecture.
+PRESETS = {
+    "gpt3_175b": (175e9, transformer_params(96, 12288, 50257, positions=2048)),
+    "llama2_70b": (70e9, transformer_params(80, 8192, 32000, d_ff=28672, kv_dim=1024,
+                                            gated=True, tied=False)),
+    "llama2_7b": (7e9, transformer_params(32, 4096, 32000, d_ff=11008, gated=True, tied=False)),
+}
+
+
+def count_parameters(name: str, num_classes: int | None = None) -> int:
+    """Parameters of a preset (gpt3_175b, llama2_70b, llama2_7b: nominal count), a ddp_lab model
+    (alexnet, alexnet_cifar) or any torchvision classification model, built on the meta device."""
+    if name in PRESETS:
+        return int(PRESETS[name][0])
+    return sum(p.numel() for p in build_meta_model(name, num_classes).parameters())
+
+
+def build_meta_model(name: str, num_classes: int | None = None) -> nn.Module:
+    from ddp_lab.models import MODELS
+
+    with torch.device("meta"):
+        if name in MODELS:
+            return MODELS[name](num_classes=num_classes or (1000 if name == "alexnet" else 10))
+        import torchvision
+
+        if name not in torchvision.models.list_models():
+            raise ValueError(f"unknown model {name!r}: not a preset ({', '.join(PRESETS)}), a "
+                             "ddp_lab model or a torchvision model name")
+        kwargs = {"num_classes": num_classes} if num_classes else {}
+        return torchvision.models.get_model(name, weights=None, **kwargs)
+
+
+# ---- activations and the peak of a training step -----------------------------------------------
+
+def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, autocast_dtype: torch.dtype | None,
+                       exclude: tuple[torch.Tensor, ...] = ()) -> int:
+    """Bytes of the distinct tensors autograd saves for backward during one forward + loss of
+    `model` on `x` (counted once per storage, through `torch.autograd.graph.saved_tensors_hooks`),
+    leaving out the storages of the parameters and of `exclude` (the input), which live anyway."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t
+
+    ctx = (torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype is not None
+           else torch.autocast(x.device.type, enabled=False))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        out = model(x)
+        loss = F.cross_entropy(out.float(), torch.zeros(len(x), dtype=torch.long, device=x.device))
+    del loss, out
+    return sum(seen.values())
+
+
+def activation_bytes(model: nn.Module, input_shape: tuple[int, ...],
+                     autocast_dtype: torch.dtype | None = None,
+                     channels_last: bool = False) -> tuple[float, float]:
+    """(bytes per sample, bytes independent of the batch) that autograd keeps for backward.
+
+    Measured, not modelled: one forward at batch 1 and one at batch 2 on the CPU (real tensors,
+    so storages can be told apart), then a line through the two points. The slope is the
+    activations (conv/linear inputs, ReLU outputs, pool indices, dropout masks, ...); the
+    intercept is what does not grow with the batch, under autocast the 16-bit weight copies that
+    backward needs (the others are freed when the autocast region ends). The saved set is the same
+    on CUDA but for details: both max-pools save int64 indices, but the CPU's dropout keeps a float
+    mask where CUDA keeps a bool one (3 B per dropout input element more here: ~1% of 224 px
+    AlexNet's activations, ~7% of AlexNet-CIFAR's)."""
+    import copy
+
+    model = copy.deepcopy(model).to("cpu").train()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    sizes = []
+    for b in (1, 2):
+        x = torch.randn(b, *input_shape).contiguous(memory_format=fmt)
+        sizes.append(saved_tensor_bytes(model, x, autocast_dtype, exclude=(x,)))
+    per_sample = float(sizes[1] - sizes[0])
+    return per_sample, float(sizes[0] - per_sample)
+
+
+AUTOCAST = {"fp32": None, "tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def predict_training_memory(model: nn.Module, batch: int, image_size: int, precision: str = "fp32",
+                            optimizer: str = "sgd_momentum", channels_last: bool = False,
+                            activations: tuple[float, float] | None = None) -> dict:
+    """Predicted bytes of one training step of an image model at `batch` under ddp_lab's
+    `precision` (fp32 | tf32 | fp16 | bf16; the 16-bit ones are torch autocast): the training
+    state, the 16-bit weight copies, the input batch and the saved activations. Their sum is the
+    prediction for `torch.cuda.max_memory_allocated` over a step (grads are counted whole: in
+    AlexNet most parameters sit in the last layers, whose gradients exist while nearly all
+    activations are still held); workspaces and temporaries make the measured peak differ."""
+    params = sum(p.numel() for p in model.parameters())
+    state = training_bytes(params, PRECISION_SCHEME[precision], optimizer)
+    per_sample, fixed = activation_bytes(model, (3, image_size, image_size), AUTOCAST[precision],
+                                         channels_last)
+    out = {"params": params, "weights": state["weights"], "grads": state["grads"],
+           "optimizer": state["optimizer"], "autocast_copies": max(fixed, 0.0),
+           "input": batch * 3 * image_size * image_size * 4 + batch * 8,
+           "activations": per_sample * batch, "activations_per_sample": per_sample}
+    out["total"] = sum(out[k] for k in ("weights", "grads", "optimizer", "autocast_copies",
+                                         "input", "activations"))
+    return out

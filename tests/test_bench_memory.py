@@ -1,0 +1,20 @@
+"""Memory-bandwidth benchmark on the CPU: bytes counted as read + written, rows consistent."""
+
+import json
+
+import pytest
+
+from helpers import check, python_module
+
+
+def test_cli_host_copy_rows(tmp_path):
+    check(python_module(["device=cpu", "cpu_sizes_mb=[1,8]", "iters=3", "plot=true",
+                         f"hydra.run.dir={tmp_path}"], module="ddp_lab.bench.memory", timeout=120))
+    rows = [json.loads(line) for line in open(tmp_path / "memory.jsonl")]
+    assert [(r["kind"], r["size_mb"]) for r in rows] == [
+        ("host_copy", 1), ("host_copy_1t", 1), ("host_copy", 8), ("host_copy_1t", 8)]
+    for r in rows:
+        assert r["ok"]
+        assert r["bytes_counted"] == 2 * r["size_mb"] * 1e6  # read + write
+        assert r["gbs"] == pytest.approx(r["bytes_counted"] / (r["time_ms"] / 1e3) / 1e9, rel=1e-9)
+    assert (tmp_path / "memory.png").exists()

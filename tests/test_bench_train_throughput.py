@@ -1,0 +1,55 @@
+"""train_throughput on the CPU: a tiny AlexNet-CIFAR case (batch 8, 3 steps) runs both loops and
+writes one table row with both, plus the profiler pass; the tensor-core name heuristic."""
+
+import json
+import os
+
+import pytest
+
+from ddp_lab.bench.train_throughput import is_tensor_core_kernel
+from helpers import check, python_module
+
+
+def test_tiny_cpu_case_writes_both_loops(tmp_path):
+    check(python_module(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[8]", "cpu_steps=3",
+                         "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
+                         "profile=true", "profile_steps=1", "plot=true",
+                         f"hydra.run.dir={tmp_path}"], module="ddp_lab.bench.train_throughput",
+                        timeout=240))
+    rows = [json.loads(line) for line in open(tmp_path / "train_throughput.jsonl")]
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["model"], r["precision"], r["batch"], r["steps"]) == ("alexnet_cifar", "fp32", 8, 3)
+    assert r["ok"] and r["ddp_img_s"] > 0 and r["bare_img_s"] > 0
+    assert r["ratio"] == pytest.approx(r["ddp_img_s"] / r["bare_img_s"])
+    assert r["ratio_med"] == pytest.approx(r["ddp_img_s_med"] / r["bare_img_s_med"])
+    assert r["gflop_per_img"] == pytest.approx(0.3756, rel=1e-3)
+    assert r["ddp_tflops"] == pytest.approx(r["gflop_per_img"] * r["ddp_img_s"] / 1e3)
+    assert r["pred_mem_gb"] > 3 * 23_272_266 * 4 / 1e9  # weights + grads + momentum + more
+    # The ddp_lab side really ran the training loop, in its own run dir, checkpoint removed.
+    ddp_dir = tmp_path / "ddp_lab" / "fp32_cl0_compile0_b8_r0"
+    summary = json.load(open(ddp_dir / "summary.json"))
+    assert summary["timed_steps"] == 3 and summary["sync"] == "none" and summary["data"] == "synthetic"
+    assert summary["train_img_per_s"] == pytest.approx(r["ddp_img_s"])
+    assert not any(f.endswith(".pt") for f in os.listdir(ddp_dir))
+    # Profiler pass (CPU ops on a CPU).
+    kernels = [json.loads(line) for line in open(tmp_path / "kernels.jsonl")]
+    assert kernels and all(k["precision"] == "fp32" for k in kernels)
+    assert (tmp_path / "profile_summary.csv").exists() and (tmp_path / "train_throughput.png").exists()
+
+
+@pytest.mark.parametrize("name, tc", [
+    ("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", True),
+    ("sm80_xmma_gemm_tf32f32_tf32f32_f32_tn_n_tilesize128x128x16_stage4", True),
+    ("cutlass3x_sm90_tensorop_gemm_f16_f16_f32_f16_f16_128x256x64_1x2x1_0_tnn_align8", True),
+    ("ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_64x3_nn", True),
+    ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", True),
+    ("sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma", False),
+    ("ampere_sgemm_128x64_nn", False),
+    ("implicit_convolve_sgemm<float, float, 1024, 5, 5, 3, 3, 3, 1, false, false, true>", False),
+    ("void cutlass::Kernel<cutlass_80_simt_sgemm_128x128_8x4_nn_align1>", False),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<c10::BFloat16>>", False),
+    ("void at::native::(anonymous namespace)::max_pool_forward_nhwc<float, float>", False),
+])
+def test_tensor_core_heuristic(name, tc):
+    assert is_tensor_core_kernel(name) is tc
