@@ -40,7 +40,6 @@ if ! "$PY" -c "import torch, hydra, matplotlib, torchvision; $NEED_CUDA" 2>"$OUT
   exit 1
 fi
 "$PY" -c "import torch, os; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', 'cpus', os.cpu_count())"
-[ -f conf/data/synthetic.yaml ] || echo "note: conf/data/ is missing (.gitignore's 'data/' matches it); train_throughput uses a built-in data=synthetic"
 
 # step NAME LIMIT_S MODULE [overrides...]: run one benchmark with hydra.run.dir=OUT_DIR/NAME.
 step() {

@@ -85,20 +85,6 @@ ConfigStore.instance().store(name="bench_train_throughput_schema", node=TrainThr
 
 # ---- composing the ddp_lab config ----------------------------------------------------------------
 
-def _ensure_synthetic_data_option(conf_dir: str) -> None:
-    """conf/data/*.yaml is matched by the repository's .gitignore (`data/`), so a fresh checkout
-    (or the copy a remote machine gets) may lack it. Then offer a built-in `data=synthetic` with
-    the same values, and say so; with the file present Hydra uses the file."""
-    if os.path.exists(os.path.join(conf_dir, "data", "synthetic.yaml")):
-        return
-    from ddp_lab.config import DataConfig
-
-    print("warning: conf/data/synthetic.yaml is missing (conf/data/ is matched by .gitignore's "
-          "'data/' pattern); using a built-in data=synthetic with the same values", flush=True)
-    ConfigStore.instance().store(group="data", name="synthetic", node=DataConfig(
-        name="synthetic", num_samples=50_000, val_samples=1_024, pool_size=256))
-
-
 def compose_train_config(overrides: list[str]):
     """conf/config.yaml + overrides, as `python -m ddp_lab.train` would compose them. Inside a
     running Hydra app (this benchmark's CLI) Hydra is already initialised on conf/; elsewhere
@@ -111,7 +97,6 @@ def compose_train_config(overrides: list[str]):
 
     register_configs()
     _register_resolvers()
-    _ensure_synthetic_data_option(CONF_DIR)
     if GlobalHydra.instance().is_initialized():
         return compose("config", overrides=list(overrides))
     with initialize_config_dir(CONF_DIR, version_base=None):
