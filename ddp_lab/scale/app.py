@@ -160,7 +160,7 @@ def task(cfg, run_dir: str) -> None:
         man = outputs.manifest(cfg_dict, PASSTHROUGH, profile, env)
         outputs.write_json(man, os.path.join(run_dir, "manifest.json"))
         rows = sweep.rows_from_points(points)
-        if not cfg.collect:
+        if not cfg.collect or cfg.predict.table:  # collected runs: only a given table
             fits = _fits(cfg, points, run_dir, profile, env, say)
         sweep.predict_rows(rows, points, fits)
         csv_path = outputs.write_csv(rows, run_dir)
@@ -170,7 +170,7 @@ def task(cfg, run_dir: str) -> None:
         ok = [r for r in rows if r["status"] == "ok"]
         say("\n" + outputs.console_table(
             rows, ["point", "status", "img_per_s", "img_per_s_per_gpu", "speedup", "efficiency",
-                   "step_ms", "compute_ms", "exposed_comm_ms", "data_ms", "optim_ms",
+                   "step_ms", "compute_ms", "exposed_comm_ms", "data_ms", "optim_ms", "other_ms",
                    "comm_bytes_per_step", "busbw_GBps", "rank_skew"]))
         if fits:
             say("\nalpha-beta fits:\n" + outputs.console_table(

@@ -16,8 +16,8 @@ from ddp_lab.bench.common import format_table, write_rows
 
 TABLE_COLUMNS = ["point", "status", "backend", "per_rank_batch", "global_batch", "img_per_s",
                  "img_per_s_per_gpu", "speedup", "efficiency", "step_ms", "compute_ms",
-                 "exposed_comm_ms", "data_ms", "optim_ms", "comm_bytes_per_step", "busbw_GBps",
-                 "rank_skew"]
+                 "exposed_comm_ms", "data_ms", "optim_ms", "other_ms", "comm_bytes_per_step",
+                 "busbw_GBps", "rank_skew"]
 PRED_COLUMNS = ["point", "exposed_comm_ms", "pred_exposed_comm_ms", "step_ms", "pred_step_ms",
                 "efficiency", "pred_efficiency", "pred_err_pct", "comm_bytes_per_step",
                 "pred_bytes_per_step", "pred_note"]
@@ -141,6 +141,8 @@ def manifest(cfg_dict: dict, passthrough: list[str], profile: str, env: dict) ->
         "nccl": v.get("nccl"),
         "nccl_env": {k: val for k, val in env.items() if k.startswith("NCCL_")},
         "omp_num_threads": env.get("OMP_NUM_THREADS"),
+        # Other work on the machine shows up as "scaling loss": record how busy it was.
+        "loadavg_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "profile": profile, "point_overrides": passthrough, "config": cfg_dict,
     }
 
@@ -201,9 +203,10 @@ def report(rows: list[dict], fits: dict, man: dict, out_dir: str, extra: str = "
               "smaller batches and the optimizer step, which does not shrink with the batch.",
               "- **step breakdown** (ms, medians over timed steps): `compute` = forward + backward, "
               "`exposed_comm` = the time the step waits for gradients beyond compute, `data`, "
-              "`optim`. For `sync=ddp` without the training loop's calibrated local backward "
-              "(`time_ms.exposed_comm`), DDP waits inside backward: its communication is then "
-              "counted in compute and exposed_comm is ~0 (`comm_source` says which).",
+              "`optim`, and `other` = median step - the sum of the phase medians (medians do not "
+              "add up exactly). DDP waits for its all-reduces inside backward: unless the loop "
+              "reports `time_ms.exposed_comm`, the exposed part is estimated as backward at N - "
+              "backward at N=1 (weak scaling only; `comm_source` says which was used).",
               "- **comm_bytes_per_step**: bytes rank 0 sends per step as the sync reports them; "
               "**busbw_GBps** = gradient bytes x 2(N-1)/N / communication time (nccl-tests' bus "
               "bandwidth), from the exposed time (`busbw_source=exposed`, an upper bound whenever "

@@ -287,7 +287,8 @@ def plot(rows, main, times, sim, path: str) -> str:
     ax = axes[0][-1]
     n_top = max(sim.world_sizes)
     dtype = sim.grad_dtypes[-1]
-    for m in models:
+    for m, color in zip(models, ("tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                                 "tab:gray")):
         for algo, ls in (("hring", "-"), ("tree", "--")):
             rs = sorted((r for r in rows if r["network"] == main.name and r["model"] == m
                          and r["algo"] == algo and r["grad_dtype"] == dtype
@@ -295,7 +296,7 @@ def plot(rows, main, times, sim, path: str) -> str:
                         key=lambda r: r["bucket_mb"])
             if rs:
                 ax.plot([r["bucket_mb"] for r in rs], [r["efficiency"] for r in rs], ls=ls,
-                        marker="o", ms=3, label=f"{m} {algo}")
+                        marker="o", ms=3, color=color, label=f"{m} {algo}")
     ax.set_xscale("log")
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("bucket MB")

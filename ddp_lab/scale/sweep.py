@@ -353,6 +353,9 @@ def rows_from_points(points: list[Point]) -> list[dict]:
             ph.update(exposed_comm_ms=ph["exposed_comm_ms"] + extra,
                       compute_ms=ph["compute_ms"] - extra, backward_ms=ph["backward_ms"] - extra,
                       comm_source="backward-backward(N=1)")
+        # Medians of the phases need not add up to the median step: the rest is `other`.
+        ph["other_ms"] = ph["step_ms"] - sum(ph[k] for k in ("compute_ms", "exposed_comm_ms",
+                                                             "data_ms", "optim_ms"))
         gb = grad_bytes(p) if s else float("nan")
         bus_bytes = gb * 2 * (n - 1) / n if n > 1 else 0.0
         overlap = bool(p.config.get("sync", {}).get("overlap", True)) or p.sync == "ddp"
