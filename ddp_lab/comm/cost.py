@@ -55,3 +55,29 @@ def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> tuple[float
     """(algbw, busbw) in bytes/s with nccl-tests' definitions: algbw = S/t, busbw = algbw*2(N-1)/N."""
     algbw = nbytes / seconds if seconds > 0 else float("nan")
     return algbw, algbw * 2 * (world_size - 1) / world_size
+
+
+def hierarchical_cost(nbytes: float, gpus_per_node: int, nodes: int) -> tuple[Cost, Cost]:
+    """The two-level ring on `nodes` x `gpus_per_node` ranks, as (intra-node part, inter-node part),
+    each to be priced with its own link's alpha and beta:
+
+      1. intra-node reduce-scatter: G-1 steps of S/G (each GPU ends with 1/G of its node's sum)
+      2. inter-node ring all-reduce of each 1/G shard among the M GPUs with the same local rank
+         (the G rings run side by side; together they put S/M per step through each node's
+         network link): 2(M-1) steps, 2(M-1)/M*S through the node's link
+      3. intra-node all-gather: G-1 steps of S/G
+
+    critical_bytes of the inter part count the bytes through one node's link (all its shards),
+    so its beta is the node's network bandwidth, not one GPU's. With one node it is the flat ring.
+    """
+    g, m, s = gpus_per_node, nodes, float(nbytes)
+    if g < 1 or m < 1:
+        raise ValueError(f"gpus_per_node and nodes must be >= 1, got {gpus_per_node}, {nodes}")
+    if s == 0:
+        return Cost(0, 0.0, 0.0, 0.0), Cost(0, 0.0, 0.0, 0.0)
+    intra = (Cost(2 * (g - 1), 2 * (g - 1) * s / g, 2 * (g - 1) * s / g, m * 2 * (g - 1) * s)
+             if g > 1 else Cost(0, 0.0, 0.0, 0.0))
+    inter = (Cost(2 * (m - 1), 2 * (m - 1) * s / m, 2 * (m - 1) * s / (m * g),
+                  g * m * 2 * (m - 1) * s / (m * g))
+             if m > 1 else Cost(0, 0.0, 0.0, 0.0))
+    return intra, inter

@@ -1,0 +1,3 @@
+from ddp_lab.scale import main
+
+main()

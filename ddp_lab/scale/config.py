@@ -1,0 +1,64 @@
+"""Typed schema of `conf/scale.yaml` (the sweep driver's own config; each point's training config
+is `conf/config.yaml` plus the overrides the sweep passes to it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class PredictConfig:
+    table: str = ""  # allreduce.jsonl/.csv of `python -m ddp_lab.bench.allreduce`; "": calibrate
+    calibrate: bool = True  # no table: time all-reduces at each world size of the sweep first
+    sizes_kb: list[int] = field(default_factory=list)  # calibration message sizes; []: by device
+    timeout_s: float = 300.0
+
+
+@dataclass
+class SimConfig:
+    world_sizes: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 256, 512, 1024])
+    models: list[str] = field(default_factory=lambda: ["alexnet", "alexnet_cifar", "resnet50",
+                                                       "vgg16"])
+    networks: list[str] = field(default_factory=lambda: ["ib400", "ib100", "eth25", "measured"])
+    network: str = "ib400"  # the one whose tables are printed in full
+    grad_dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
+    bucket_mb: float = 25.0
+    bucket_sweep: list[float] = field(default_factory=lambda: [1.0, 5.0, 10.0, 25.0, 50.0, 100.0,
+                                                               250.0, 0.0])  # 0: one bucket
+    batch_per_gpu: int = 256
+    overlap: bool = True
+    # Assumed single-GPU training throughput (img/s at batch_per_gpu, H100/H200-class, bf16
+    # autocast): the compute time each model has to hide communication behind.
+    img_per_s: dict[str, float] = field(default_factory=lambda: {
+        "alexnet": 12000.0, "alexnet_cifar": 60000.0, "resnet50": 3000.0, "resnet101": 1700.0,
+        "vgg16": 1100.0})
+    use_measured: bool = True  # a model the sweep ran at N=1 on a GPU: its measured compute
+
+
+@dataclass
+class ScaleConfig:
+    nproc: list[int] = field(default_factory=list)  # world sizes; []: 1, 2, 4, ... local GPUs/cpu_procs
+    cpu_procs: int = 2  # largest CPU world size of the automatic list
+    syncs: list[str] = field(default_factory=lambda: ["ddp", "naive", "ring", "tree"])
+    sweep: list[str] = field(default_factory=list)  # extra swept settings, each "k=v k=v": a series
+    args: list[str] = field(default_factory=list)  # overrides for every point
+    mode: str = "weak"  # weak: fixed per-GPU batch | strong: fixed global batch
+    global_batch: int = 0  # strong: the fixed global batch; 0: per-rank batch x largest world size
+    profile: str = "auto"  # auto | cpu | gpu: default point settings (model, batch, steps, ...)
+    point_timeout_s: float = 0.0  # 0: 300 on CPU, 600 on GPU
+    threads_per_rank: int = 0  # CPU points: OMP threads per rank, the same at every N; 0: auto
+    keep_checkpoints: bool = False  # points' checkpoint.pt are deleted after reading the summary
+    emit: str = "none"  # none | torchrun | slurm: print multi-node command lines instead of running
+    nodes: list[int] = field(default_factory=lambda: [1, 2, 4])  # emit: node counts
+    gpus_per_node: int = 0  # emit: 0 = local GPU count (8 without GPUs)
+    collect: list[str] = field(default_factory=list)  # point run dirs to tabulate instead of running
+    simulate: str = "true"  # true: sweep then simulation | false | only: simulation alone
+    env: dict[str, str] = field(default_factory=lambda: {"NCCL_NVLS_ENABLE": "0"})  # setdefault'ed
+    predict: PredictConfig = field(default_factory=PredictConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+
+def register_scale_config() -> None:
+    ConfigStore.instance().store(name="scale_schema", node=ScaleConfig)

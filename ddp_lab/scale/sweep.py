@@ -1,0 +1,435 @@
+"""The sweep: plan the points, launch each as a real torchrun job, turn summaries into rows.
+
+A point is one (world size, sync, swept setting) triple, run as
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N -m ddp_lab.train \
+        <profile defaults> <args> <training overrides> <swept setting> sync=<sync> \
+        train.resume=never hydra.run.dir=<sweep dir>/points/<name>
+
+with a timeout; its result is read back from the point's summary.json. A point that fails is a
+row with its status and the last lines of its output; the sweep goes on.
+
+Efficiency (weak and strong alike): throughput_N / (N x throughput_1), where throughput_1 is the
+N=1 point of the same sync and swept setting. Weak scaling keeps the per-GPU batch, so perfect
+scaling is N times the images per second. Strong scaling keeps the global batch (per-rank batch
+= global / N), so perfect scaling is a step N times shorter; the same formula is then
+T_1 / (N x T_N) with T the time of one global batch. Speed-up = throughput_N / throughput_1 =
+N x efficiency.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ddp_lab.config import ConfigError
+from ddp_lab.cost import network as net
+from ddp_lab.train import CONF_DIR
+
+# Point defaults by device. Everything here can be overridden on the command line.
+PROFILES = {
+    "cpu": {"model": "alexnet_cifar", "data": "synthetic", "precision": "fp32",
+            "data.num_samples": "512", "data.val_samples": "64",
+            "train.batch_size": "8", "train.max_steps": "12", "train.timing_warmup": "3"},
+    "gpu": {"model": "alexnet", "data": "synthetic", "precision": "bf16",
+            "train.channels_last": "true", "train.batch_size": "256", "train.max_steps": "60",
+            "train.timing_warmup": "10"},
+}
+# Always: no mid-run evaluation, one checkpoint at the end, no progress bar, never resume.
+FIXED = {"train.eval_every_epochs": "0", "train.progress": "false", "train.resume": "never"}
+# Training overrides recognised on the scale command line and passed to every point.
+PASS_THROUGH = re.compile(r"^[+~]*((model|data|precision|optim)(=|\.)|(sync|train|dist)\.|seed=)")
+
+
+@dataclass
+class Point:
+    name: str
+    world_size: int
+    sync: str
+    extra: str  # the swept setting ("" for none)
+    mode: str
+    per_rank_batch: int
+    args: list[str]
+    run_dir: str
+    status: str = "planned"  # planned | ok | failed | timeout | missing | skipped
+    error: str = ""
+    returncode: int | None = None
+    wall_s: float = float("nan")
+    summary: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)  # the point's resolved training config
+
+    @property
+    def series(self) -> str:
+        return self.sync + (f" {self.extra}" if self.extra else "")
+
+
+def parse_overrides(items) -> dict[str, str]:
+    out = {}
+    for item in items:
+        for tok in str(item).split():
+            if "=" not in tok:
+                raise ConfigError(f"override {tok!r} is not key=value")
+            k, v = tok.split("=", 1)
+            out[k] = v
+    return out
+
+
+def slug(text: str) -> str:
+    """A swept setting as part of a point name (no '=', which Hydra's override grammar would
+    trip over in hydra.run.dir=...)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text.replace(" ", ",")).strip("_")
+
+
+def local_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_profile(cfg) -> str:
+    if cfg.profile == "auto":
+        return "gpu" if local_gpus() else "cpu"
+    if cfg.profile not in PROFILES:
+        raise ConfigError(f"profile={cfg.profile!r} is not one of auto, cpu, gpu")
+    return cfg.profile
+
+
+def world_sizes(cfg, profile: str) -> list[int]:
+    if cfg.nproc:
+        sizes = sorted(set(int(n) for n in cfg.nproc))
+        if sizes[0] < 1:
+            raise ConfigError(f"nproc={list(cfg.nproc)}: world sizes must be >= 1")
+        return sizes
+    top = local_gpus() if profile == "gpu" else cfg.cpu_procs
+    top = max(1, top)
+    sizes = [2 ** i for i in range(int(math.log2(top)) + 1)]
+    return sizes + ([top] if top not in sizes else [])
+
+
+def plan(cfg, passthrough: list[str], sweep_dir: str) -> tuple[list[Point], str]:
+    """The points of the sweep (world sizes x syncs x swept settings), and the profile used."""
+    if cfg.mode not in ("weak", "strong"):
+        raise ConfigError(f"mode={cfg.mode!r} is not one of weak, strong")
+    profile = resolve_profile(cfg)
+    base = {**PROFILES[profile], **parse_overrides(cfg.args), **parse_overrides(passthrough),
+            **FIXED}
+    if "sync" in base:
+        raise ConfigError("choose syncs with syncs=[...] (sync= is what the sweep varies)")
+    steps = int(base["train.max_steps"])
+    if steps <= int(base["train.timing_warmup"]):
+        raise ConfigError(f"train.max_steps={steps} leaves no timed step after "
+                          f"train.timing_warmup={base['train.timing_warmup']}")
+    base.setdefault("train.checkpoint_every", str(steps))  # one checkpoint, at the end
+    sizes = world_sizes(cfg, profile)
+    batch = int(base["train.batch_size"])
+    global_batch = cfg.global_batch or batch * sizes[-1]
+    if cfg.mode == "strong":
+        bad = [n for n in sizes if global_batch % n]
+        if bad:
+            raise ConfigError(f"mode=strong: global_batch={global_batch} is not divisible by "
+                              f"world size(s) {bad}")
+    extras = list(cfg.sweep) or [""]
+    gpus = local_gpus()
+    points = []
+    for extra in extras:
+        extra_args = parse_overrides([extra])
+        if "sync" in extra_args:
+            raise ConfigError(f"sweep entry {extra!r}: choose syncs with syncs=[...]")
+        if cfg.mode == "strong" and "train.batch_size" in extra_args:
+            raise ConfigError(f"sweep entry {extra!r}: mode=strong sets train.batch_size from "
+                              "global_batch; sweep global batches as separate sweeps")
+        for sync in cfg.syncs:
+            for n in sizes:
+                if sync == "none" and n > 1:
+                    continue  # nothing to synchronise only makes sense alone
+                per_rank = (global_batch // n if cfg.mode == "strong"
+                            else int(extra_args.get("train.batch_size", batch)))
+                args = {**base, **extra_args, "train.batch_size": str(per_rank)}
+                name = f"n{n}-{sync}" + (f"-{slug(extra)}" if extra else "")
+                run_dir = os.path.join(sweep_dir, "points", name)
+                p = Point(name, n, sync, extra, cfg.mode, per_rank,
+                          [f"{k}={v}" for k, v in args.items()] + [f"sync={sync}"], run_dir)
+                if not os.path.exists(os.path.join(CONF_DIR, "sync", f"{sync}.yaml")):
+                    p.status, p.error = "missing", (f"conf/sync/{sync}.yaml does not exist: "
+                                                    f"sync={sync} is not on this branch yet")
+                elif profile == "gpu" and n > gpus:
+                    p.status, p.error = "skipped", f"world size {n} > {gpus} local GPUs"
+                points.append(p)
+    return points, profile
+
+
+def check_point_config(point: Point) -> None:
+    """Compose the first point's training config here, so a misspelt training override fails
+    the sweep once, with Hydra's or validate()'s message, instead of failing every point."""
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    from ddp_lab.config import validate
+
+    try:
+        cfg = compose("config", overrides=[a for a in point.args if not a.startswith("hydra.")])
+        validate(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # Hydra's composition errors carry the useful message
+        raise ConfigError(f"training overrides {point.args}: {e}") from None
+    point.config = OmegaConf.to_container(cfg, resolve=True)
+
+
+def torchrun_cmd(point: Point) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={point.world_size}", "-m", "ddp_lab.train", *point.args,
+            f"hydra.run.dir={point.run_dir}"]
+
+
+def point_env(cfg, profile: str, largest: int) -> dict:
+    env = dict(os.environ)
+    for k, v in cfg.env.items():
+        env.setdefault(k, str(v))
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)  # a sweep started from inside a torchrun job must not inherit its ranks
+    if profile == "cpu":
+        # The same threads per rank at every world size: weak scaling compares equal workers.
+        threads = cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // largest)
+        env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def tail(path: str, lines: int = 10) -> str:
+    """The useful end of a failed point's output: our one-line `error:` if there is one, then
+    the last lines the ranks printed before torchrun's own report of the failure."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().splitlines()[1:]  # the first line is the command
+    except OSError:
+        return ""
+    cut = next((i for i, l in enumerate(text) if "failed (exitcode" in l
+                or l.startswith("Traceback (most recent call last)") and "torch/distributed/run.py"
+                in " ".join(text[i:i + 6])), len(text))
+    errors = [l for l in text if l.startswith("error:")]
+    last = [l for l in text[:cut] if l.strip()][-lines:] or [l for l in text if l.strip()][-lines:]
+    return "\n".join(dict.fromkeys(errors[-1:] + last))
+
+
+def launch(point: Point, env: dict, timeout_s: float, keep_checkpoints: bool) -> None:
+    """Run the point to completion or its timeout; fill status, error, summary."""
+    if os.path.isdir(point.run_dir):
+        shutil.rmtree(point.run_dir)  # a stale summary.json must never be read as this run's
+    os.makedirs(point.run_dir)
+    log_path = os.path.join(point.run_dir, "launcher.log")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(" ".join(torchrun_cmd(point)) + "\n")
+        log.flush()
+        # A session of its own: on timeout the whole group (torchrun and its ranks) is stopped.
+        proc = subprocess.Popen(torchrun_cmd(point), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        try:
+            point.returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            point.returncode = proc.returncode
+            point.status = "timeout"
+    point.wall_s = time.perf_counter() - t0
+    summary_path = os.path.join(point.run_dir, "summary.json")
+    if point.status == "timeout":
+        point.error = f"killed after {timeout_s:.0f} s\n" + tail(log_path)
+    elif point.returncode != 0:
+        point.status, point.error = "failed", f"exit {point.returncode}\n" + tail(log_path)
+    elif not os.path.exists(summary_path):
+        point.status, point.error = "failed", "no summary.json\n" + tail(log_path)
+    else:
+        point.status = "ok"
+        with open(summary_path) as f:
+            point.summary = json.load(f)
+        info_path = os.path.join(point.run_dir, "run_info.json")
+        if os.path.exists(info_path):
+            with open(info_path) as f:
+                point.config = json.load(f).get("config", point.config)
+    if not keep_checkpoints:
+        for name in os.listdir(point.run_dir):
+            if name.startswith("checkpoint") and name.endswith(".pt"):
+                os.remove(os.path.join(point.run_dir, name))
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def collect_point(run_dir: str) -> Point:
+    """A point from an existing run directory (a multi-node run, say): its summary and config."""
+    run_dir = os.path.abspath(run_dir)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        s = json.load(f)
+    config = {}
+    if os.path.exists(os.path.join(run_dir, "run_info.json")):
+        with open(os.path.join(run_dir, "run_info.json")) as f:
+            config = json.load(f).get("config", {})
+    p = Point(os.path.basename(run_dir.rstrip("/")), s["world_size"], s["sync"], "",
+              "weak", s["per_rank_batch"], [], run_dir, status="ok", summary=s, config=config)
+    return p
+
+
+# ---- rows -------------------------------------------------------------------------------------
+
+def _nan(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def phases(summary: dict) -> dict[str, float]:
+    """compute / exposed comm / data / optimizer (ms) from summary.json's time_ms. Where the
+    training loop reports them, `compute` (forward + backward without communication) and
+    `exposed_comm` are used; otherwise compute = forward + backward and exposed = comm, which
+    under DDP (waiting inside backward) undercounts communication as compute."""
+    t = summary.get("time_ms", {})
+    forward, backward = _nan(t.get("forward")), _nan(t.get("backward"))
+    if "compute" in t and "exposed_comm" in t:
+        compute, exposed, source = _nan(t["compute"]), _nan(t["exposed_comm"]), "exposed_comm"
+        backward_local = _nan(t.get("backward_local", compute - forward))
+    else:
+        compute, exposed, source = forward + backward, _nan(t.get("comm")), "comm"
+        backward_local = backward
+    return {"step_ms": _nan(t.get("step")), "compute_ms": compute, "forward_ms": forward,
+            "backward_ms": backward_local, "exposed_comm_ms": exposed,
+            "data_ms": _nan(t.get("data")), "optim_ms": _nan(t.get("optim")),
+            "comm_busy_ms": _nan(t.get("comm_busy")), "comm_source": source}
+
+
+def grad_bytes(point: Point) -> float:
+    dtype = point.config.get("sync", {}).get("comm_dtype", "fp32")
+    return point.summary.get("parameters", 0) * net.GRAD_BYTES.get(dtype, 4)
+
+
+def rows_from_points(points: list[Point]) -> list[dict]:
+    """One row per point; efficiency against the N=1 point of the same sync and setting."""
+    ok = {(p.sync, p.extra, p.world_size): p for p in points if p.status == "ok"}
+
+    def baseline(p: Point) -> Point | None:
+        for sync in (p.sync, "none", "ddp", *sorted({q.sync for q in points})):
+            b = ok.get((sync, p.extra, 1))
+            if b is not None:
+                return b
+        return None
+
+    rows = []
+    for p in points:
+        s = p.summary
+        row = {"point": p.name, "status": p.status, "mode": p.mode, "sync": p.sync,
+               "setting": p.extra, "world_size": p.world_size,
+               "backend": s.get("backend", ""), "device": s.get("device", ""),
+               "model": s.get("model", p.config.get("model", {}).get("name", "")),
+               "precision": s.get("precision", ""), "per_rank_batch": p.per_rank_batch,
+               "global_batch": s.get("global_batch", p.per_rank_batch * p.world_size),
+               "timed_steps": s.get("timed_steps", 0)}
+        thr = _nan(s.get("train_img_per_s")) if s else float("nan")
+        b = baseline(p) if p.status == "ok" else None
+        thr1 = _nan(b.summary.get("train_img_per_s")) if b else float("nan")
+        ph = phases(s) if s else dict.fromkeys(phases({}), float("nan"))
+        n = p.world_size
+        if s and ph["comm_source"] == "comm" and p.sync == "ddp" and b is not None \
+                and p.mode == "weak" and n > 1:
+            # DDP waits for its all-reduces inside backward and the loop does not (yet) measure
+            # how long: estimate the exposed part as the backward it added over the N=1 point
+            # (same per-rank batch in weak scaling), and move it from compute to communication.
+            extra = max(0.0, ph["backward_ms"] - phases(b.summary)["backward_ms"])
+            ph.update(exposed_comm_ms=ph["exposed_comm_ms"] + extra,
+                      compute_ms=ph["compute_ms"] - extra, backward_ms=ph["backward_ms"] - extra,
+                      comm_source="backward-backward(N=1)")
+        # Medians of the phases need not add up to the median step: the rest is `other`.
+        ph["other_ms"] = ph["step_ms"] - sum(ph[k] for k in ("compute_ms", "exposed_comm_ms",
+                                                             "data_ms", "optim_ms"))
+        gb = grad_bytes(p) if s else float("nan")
+        bus_bytes = gb * 2 * (n - 1) / n if n > 1 else 0.0
+        overlap = bool(p.config.get("sync", {}).get("overlap", True)) or p.sync == "ddp"
+        if not math.isnan(ph.get("comm_busy_ms", float("nan"))):
+            comm_t, bw_source = ph["comm_busy_ms"], "busy"
+        elif ph["comm_source"] == "comm" and p.sync == "ddp":
+            comm_t, bw_source = float("nan"), "none (DDP: not measured)"
+        else:
+            comm_t = ph["exposed_comm_ms"]
+            bw_source = "exposed (upper bound: overlapped)" if overlap else "exposed (no overlap)"
+        busbw = (bus_bytes / (comm_t * 1e-3) / 1e9
+                 if n > 1 and comm_t == comm_t and comm_t > 0.1 else float("nan"))
+        ranks = [x for x in s.get("rank_step_ms", []) if x == x]
+        row.update({
+            "img_per_s": thr, "img_per_s_per_gpu": thr / n,
+            "speedup": thr / thr1, "efficiency": thr / (n * thr1),
+            "baseline": b.name if b else "",
+            **{k: v for k, v in ph.items()},
+            "comm_bytes_per_step": s.get("comm_bytes_per_step", float("nan")) if s else float("nan"),
+            "grad_bytes": gb, "busbw_GBps": busbw, "busbw_source": bw_source if n > 1 else "",
+            "rank_skew": (max(ranks) / min(ranks) - 1) if len(ranks) > 1 and min(ranks) > 0 else 0.0,
+            "wall_s": p.wall_s, "error": p.error.replace("\n", " | ")[-600:],
+        })
+        if p.status != "ok":
+            row.update(comm_source="", busbw_source="", rank_skew=float("nan"))
+        rows.append(row)
+    return rows
+
+
+# ---- the model's prediction of each point ------------------------------------------------------
+
+def predict_rows(rows: list[dict], points: list[Point], fits: dict) -> None:
+    """Add the alpha-beta + overlap model's exposed communication and efficiency to every ok row,
+    from its baseline's single-rank phases (columns pred_*)."""
+    by_name = {p.name: p for p in points}
+    for row in rows:
+        row.update({"pred_bytes_per_step": float("nan"), "pred_exposed_comm_ms": float("nan"),
+                    "pred_step_ms": float("nan"), "pred_efficiency": float("nan"),
+                    "pred_err_pct": float("nan"), "pred_note": ""})
+        p = by_name[row["point"]]
+        if p.status != "ok":
+            continue
+        n, sync = p.world_size, p.sync
+        algo = "native" if sync == "ddp" else sync
+        row["pred_bytes_per_step"] = (net.bytes_per_step(algo, row["grad_bytes"], n)
+                                      if sync != "none" else 0.0)
+        b = by_name.get(row["baseline"])
+        if b is None:
+            row["pred_note"] = "no N=1 point"
+            continue
+        base = phases(b.summary)
+        fit = fits.get((algo, row["backend"])) or fits.get(("native", row["backend"]))
+        if n > 1 and fit is None:
+            row["pred_note"] = f"no alpha-beta fit for {algo} on {row['backend']}"
+            continue
+        scfg = p.config.get("sync", {})
+        mcfg = p.config.get("model", {})
+        profile = net.profile_model(mcfg.get("name", row["model"]), mcfg.get("image_size"),
+                                    p.config.get("data", {}).get("num_classes"))
+        network = net.Network(f"fit_{row['backend']}", fits={algo: fit} if fit else {})
+        r = p.per_rank_batch / b.per_rank_batch  # strong scaling: less work per rank
+        other = base["step_ms"] - base["forward_ms"] - base["backward_ms"] - base["exposed_comm_ms"]
+        other -= base["optim_ms"]  # data and what the phases do not name scale with the batch
+        pred = net.predict_step(
+            profile, network, algo, n, forward_s=base["forward_ms"] * r * 1e-3,
+            backward_s=base["backward_ms"] * r * 1e-3,
+            other_s=(other * r + base["optim_ms"]) * 1e-3,
+            bucket_mb=float(scfg.get("bucket_mb", 25.0)),
+            elem_bytes=net.GRAD_BYTES.get(scfg.get("comm_dtype", "fp32"), 4),
+            overlap=bool(scfg.get("overlap", True)) or sync == "ddp",
+            first_bucket_mb=1.0 if sync == "ddp" else None)
+        step1 = base["step_ms"] - base["exposed_comm_ms"]
+        # efficiency = thr_N / (N thr_1) = (global_N / global_1) * step_1 / (N step_N) = r * step_1 / step_N
+        pred_eff = r * step1 / (pred.step_s * 1e3)
+        row.update({"pred_exposed_comm_ms": pred.exposed_s * 1e3, "pred_step_ms": pred.step_s * 1e3,
+                    "pred_efficiency": pred_eff,
+                    "pred_err_pct": 100 * (pred_eff - row["efficiency"]) / row["efficiency"]})
