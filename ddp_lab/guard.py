@@ -100,7 +100,12 @@ def _where(tb) -> tuple[str, str]:
         return f"the gradient all-reduce inside backward (sync={_progress['sync']})", site
     ddp = [f for f in frames if f.filename.endswith(f"parallel{os.sep}distributed.py")]
     if ddp:
-        return f"DistributedDataParallel.{ddp[0].name}", site
+        line = ddp[-1].line or ""
+        if "_rebuild_buckets" in line:  # DDP's forward after its first backward
+            return "DDP's bucket-rebuild broadcast (forward of its second step)", site
+        if "sync_buffers" in line or "_sync_buffers" in ddp[-1].name:
+            return "DDP's buffer broadcast in forward", site
+        return f"DistributedDataParallel.{ddp[-1].name}", site
     return f"a collective of sync={_progress['sync']}", site
 
 
@@ -161,23 +166,26 @@ class Guard:
             self._scale_before = self.scaler.get_scale()
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        bad = ~torch.isfinite(loss.detach()).all()
+        # [loss, gradients] x rank, each rank filling its own column: all ranks decide together
+        # and the message can say where the inf/NaN came from.
+        flags = torch.zeros(2, self.info.world_size, device=loss.device)
+        flags[0, self.info.rank] = (~torch.isfinite(loss.detach()).all()).float()
         if grads:
-            bad = bad | ~torch.stack([torch.isfinite(g).all() for g in grads]).all()
-        flag = bad.to(torch.float32).reshape(1)
-        dist.all_reduce(flag)  # any rank's inf/NaN counts for all: ranks must decide together
-        if flag.item() == 0:
+            flags[1, self.info.rank] = (~torch.stack([torch.isfinite(g).all()
+                                                      for g in grads]).all()).float()
+        dist.all_reduce(flags)
+        if not flags.any().item():
             return
+        where = "; ".join(f"non-finite {what} on rank(s) {row.nonzero().flatten().tolist()}"
+                          for what, row in zip(("loss", "gradients"), flags) if row.any())
         if self.policy == "stop":
             raise NonFiniteError(
-                f"non-finite loss or gradients at step {step} (on {int(flag.item())} rank(s)); "
-                "stopping (train.nonfinite=stop). The last checkpoint holds no NaN; "
-                "train.nonfinite=skip drops such steps instead")
+                f"step {step}: {where}; stopping (train.nonfinite=stop). The last checkpoint "
+                "holds no NaN; train.nonfinite=skip drops such steps on every rank instead")
         optimizer.zero_grad(set_to_none=True)  # no gradients: the optimizer step is a no-op
         self.skipped.append(step)
-        log.warning("step %d: non-finite loss or gradients on %d rank(s), step skipped on every "
-                    "rank (train.nonfinite=skip; %d skipped so far)", step, int(flag.item()),
-                    len(self.skipped))
+        log.warning("step %d: %s; step skipped on every rank (train.nonfinite=skip, %d skipped so "
+                    "far)", step, where, len(self.skipped))
 
     def end_step(self, step: int) -> bool:
         """After the optimizer step: count fp16 skips, compare replicas every N steps (returns
