@@ -2,9 +2,15 @@
 
 A checkpoint holds everything the next step depends on: model, optimizer, LR schedule, GradScaler,
 the step counter (which fixes epoch and position in the epoch, since the sampler is a pure
-function of seed and epoch), every rank's RNG states and a digest of the config that must match.
+function of seed and epoch: both are stored too, and checked against the step on resume), every
+rank's RNG states and a digest of the config that must match.
 Only tensors, numbers, strings, lists and dicts go in, so `torch.load(weights_only=True)` can read
 it and no pickled code is ever executed.
+
+Damage is detected, not trusted: the zip container catches truncation, but torch does not check
+the bytes of tensor data, so each checkpoint also carries a sha256 of its own contents (`integrity`)
+that `load` recomputes. A checkpoint that fails either check is refused and the previous good one
+(`checkpoint_step<N>.pt`) is used instead.
 """
 
 from __future__ import annotations
@@ -24,15 +30,18 @@ from ddp_lab.config import ConfigError
 
 LATEST = "checkpoint.pt"
 TMP_SUFFIX = ".tmp"
+FORMAT = 1  # bump when the layout changes incompatibly
 
 # Keys that may change between a run and its resumption without changing its result.
+# (train.calibrate_steps: timing-only backward passes under fork_rng, where that key exists.)
 RESUME_NEUTRAL = ("train.resume", "train.stop_at_step", "train.progress", "train.log_every",
                   "train.checkpoint_every", "train.keep_every", "train.timing_warmup",
+                  "train.calibrate_steps", "train.nonfinite", "train.consistency_every",
                   "dist.timeout_s", "data.num_workers", "data.root", "data.download", "fault")
 
 
-def config_digest(cfg_dict: dict, world_size: int) -> str:
-    """sha256 over the resolved config minus RESUME_NEUTRAL keys, plus the world size."""
+def resume_config(cfg_dict: dict, world_size: int) -> dict:
+    """The flattened config a resumed run must share with the run it continues."""
     flat = {}
 
     def walk(node, prefix=""):
@@ -47,6 +56,12 @@ def config_digest(cfg_dict: dict, world_size: int) -> str:
 
     walk(cfg_dict)
     flat["world_size"] = world_size
+    return flat
+
+
+def config_digest(cfg_dict: dict, world_size: int) -> str:
+    """sha256 over the resolved config minus RESUME_NEUTRAL keys, plus the world size."""
+    flat = resume_config(cfg_dict, world_size)
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -85,17 +100,57 @@ def gather_rng_states(device: torch.device) -> list[dict]:
     return states
 
 
+# ---- integrity --------------------------------------------------------------------------------
+
+def content_digest(obj) -> str:
+    """sha256 over a checkpoint's contents: every tensor's dtype, shape and bytes, every other
+    leaf's repr, in a fixed order. Equal before `torch.save` and after `torch.load`."""
+    h = hashlib.sha256()
+
+    def walk(node):
+        if isinstance(node, torch.Tensor):
+            t = node.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(node, dict):
+            h.update(b"{")
+            for k in sorted(node, key=repr):
+                if k != "integrity":
+                    h.update(repr(k).encode())
+                    walk(node[k])
+            h.update(b"}")
+        elif isinstance(node, (list, tuple)):
+            h.update(b"[")
+            for v in node:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(repr(node).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
 # ---- files ------------------------------------------------------------------------------------
 
 def atomic_save(obj: dict, path: str) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`: a reader
-    sees the old checkpoint or the new one, never half of one."""
+    """Write to a temporary file in the same directory, fsync, then rename over `path` and fsync
+    the directory: a reader (or a restart after a crash at any point) sees the old checkpoint or
+    the new one, never half of one. The contents carry their own sha256 (`integrity`)."""
+    obj = dict(obj, format=FORMAT)
+    obj["integrity"] = content_digest(obj)
     tmp = f"{path}{TMP_SUFFIX}.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -103,7 +158,18 @@ def atomic_save(obj: dict, path: str) -> None:
         os.close(dir_fd)
 
 
+def save(state: dict, run_dir: str, step: int, keep_every: int) -> list[str]:
+    """Rank 0: write `checkpoint.pt` and, every `keep_every` steps, `checkpoint_step<N>.pt`."""
+    paths = [os.path.join(run_dir, LATEST)]
+    if keep_every and step % keep_every == 0:
+        paths.append(os.path.join(run_dir, f"checkpoint_step{step}.pt"))
+    for path in paths:
+        atomic_save(state, path)
+    return paths
+
+
 def clean_stale_temporaries(run_dir: str) -> list[str]:
+    """Temporaries left by a save that was killed midway (rank 0 only, at start)."""
     stale = glob.glob(os.path.join(run_dir, f"*.pt{TMP_SUFFIX}.*"))
     for path in stale:
         os.remove(path)
@@ -115,9 +181,13 @@ def load(path: str) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for a damaged zip or pickle
-        raise ConfigError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"checkpoint {path} is unreadable, truncated or corrupted "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "step" not in ckpt:
         raise ConfigError(f"checkpoint {path} is not a ddp_lab checkpoint (no model/step)")
+    if "integrity" in ckpt and content_digest(ckpt) != ckpt["integrity"]:
+        raise ConfigError(f"checkpoint {path} is corrupted: its contents do not match the sha256 "
+                          "written with them")
     return ckpt
 
 
@@ -130,30 +200,92 @@ def candidates(run_dir: str) -> list[str]:
     return ([latest] if os.path.exists(latest) else []) + ordered
 
 
-def find_resumable(run_dir: str, resume: str, digest: str, log=print) -> dict | None:
+def _config_diff(old: dict | None, new: dict) -> str:
+    if not isinstance(old, dict):
+        return ""
+    keys = sorted(set(old) | set(new))
+    diff = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in keys
+            if old.get(k, "<unset>") != new.get(k, "<unset>")]
+    return (" Differences (checkpoint -> now): " + "; ".join(diff[:8])
+            + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "") + ".") if diff else ""
+
+
+def find_resumable(run_dir: str, resume: str, digest: str, log=print,
+                   current: dict | None = None) -> dict | None:
     """The checkpoint to resume from, per `train.resume`: auto (newest good one in the run dir, or
-    none), never, or an explicit path. A damaged file falls back to the previous good one; a
-    checkpoint of a different config is refused."""
+    none), never, or an explicit path. A damaged file falls back to the previous good one; if
+    every checkpoint there is damaged the run is refused rather than started over (that would
+    overwrite them); a checkpoint of a different config is refused."""
     if resume == "never":
         return None
     if resume != "auto":
-        if not os.path.exists(resume):
+        if not os.path.isfile(resume):
             raise ConfigError(f"train.resume={resume!r}: no such file")
         paths = [resume]
     else:
         paths = candidates(run_dir)
+    refused = []
     for path in paths:
         try:
             ckpt = load(path)
         except ConfigError as e:
-            log(f"warning: skipping {e}")
+            log(f"refusing {e}; trying the previous checkpoint")
+            refused.append(str(e))
             continue
         if ckpt.get("config_digest") != digest:
             raise ConfigError(
                 f"{path} was written by a different config (digest {ckpt.get('config_digest')} "
-                f"!= {digest}): resuming would not continue that run. Use another run dir "
-                "(hydra.run.dir=...) or train.resume=never to start over there.")
+                f"!= {digest}): resuming would not continue that run, so nothing was loaded or "
+                f"written.{_config_diff(ckpt.get('resume_config'), current or {})} Run the "
+                "original command again to continue it, or use another run dir "
+                "(hydra.run.dir=...), or train.resume=never to start over there.")
         return ckpt | {"path": path}
-    if paths and resume != "auto":
-        raise ConfigError(f"train.resume={resume!r}: the checkpoint is unreadable")
+    if refused:
+        raise ConfigError(
+            f"no usable checkpoint to resume from in {os.path.dirname(paths[0]) or '.'}: "
+            + " | ".join(refused) + ". Starting over would overwrite them: move them away, or "
+            "use train.resume=never (start over) or another hydra.run.dir")
     return None
+
+
+def resume(cfg_dict: dict, run_dir: str, resume_opt: str, world_size: int, log) -> dict | None:
+    """Collective: every rank picks its checkpoint (`find_resumable`), then the ranks check that
+    they agree (same step, same file) or fail together: a rank that resumed elsewhere, or one
+    that failed alone while the others wait in a collective, would hang or corrupt the run."""
+    digest = config_digest(cfg_dict, world_size)
+    try:
+        ckpt = find_resumable(run_dir, resume_opt, digest, log, resume_config(cfg_dict, world_size))
+        mine = ("ok", None if ckpt is None else (ckpt["step"], os.path.basename(ckpt["path"])))
+    except ConfigError as e:
+        ckpt, mine = None, ("error", str(e))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    errors = [msg for kind, msg in every if kind == "error"]
+    if errors:
+        raise ConfigError(errors[0])
+    if len({choice for _, choice in every}) > 1:
+        raise ConfigError(f"ranks disagree on the checkpoint to resume from (per rank: "
+                          f"{[choice for _, choice in every]}): every rank must see the same run "
+                          "dir (a shared file system for multi-node runs)")
+    return ckpt
+
+
+def check_position(ckpt: dict, steps_per_epoch: int, accum_steps: int) -> None:
+    """The stored epoch / batch-in-epoch must be what the step implies for this data and batch."""
+    step = ckpt["step"]
+    expected = (step // steps_per_epoch, (step % steps_per_epoch) * accum_steps)
+    stored = (ckpt.get("epoch", expected[0]), ckpt.get("epoch_batch", expected[1]))
+    if stored != expected:
+        raise ConfigError(f"{ckpt['path']}: step {step} is epoch {expected[0]}, batch {expected[1]} "
+                          f"here but the checkpoint says epoch {stored[0]}, batch {stored[1]}: the "
+                          "data or batch layout changed, resuming would not continue the run")
+
+
+def check_keep_every(keep_every: int, checkpoint_every: int, steps_per_epoch: int) -> None:
+    """Kept checkpoints are the regular ones taken at multiples of keep_every: it must divide."""
+    interval = checkpoint_every or steps_per_epoch
+    if keep_every and keep_every % interval:
+        what = (f"train.checkpoint_every={checkpoint_every}" if checkpoint_every else
+                f"the {steps_per_epoch} steps per epoch (train.checkpoint_every=0 saves at the end "
+                "of each epoch)")
+        raise ConfigError(f"train.keep_every={keep_every} must be a multiple of {what}")

@@ -8,6 +8,7 @@ message. Checks that need more than a type (a batch size of 0, a backend without
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -97,12 +98,28 @@ class TrainConfig:
     stop_at_step: int = 0  # > 0: stop at this step as if interrupted (checkpoint written)
     checkpoint_every: int = 0  # steps between checkpoints; 0: end of each epoch and at the end
     keep_every: int = 0  # also keep checkpoint_step<N>.pt every this many steps; 0: never
+    nonfinite: str = "skip"  # fp32/bf16 inf/NaN loss or grads: skip the step on every rank | stop
+    consistency_every: int = 100  # steps between cross-rank parameter checksums; 0: never
 
 
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0  # a collective that waits longer than this fails instead of hanging
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests and demos (ddp_lab/fault.py). Everything off by default; a fault
+    fires in torchrun's first attempt only, so a restarted group runs clean."""
+    at_step: int = 0  # the step (1-based) at which kill_rank / hang_rank / perturb_rank act
+    kill_rank: int = -1  # SIGKILL this rank at fault.at_step; -1: none
+    hang_rank: int = -1  # this rank stops responding at fault.at_step; -1: none
+    hang_s: float = 0.0  # how long the hang lasts; 0: until the process is killed
+    perturb_rank: int = -1  # nudge one parameter of this rank by one ulp at fault.at_step; -1: none
+    nan_at_step: int = 0  # make the loss non-finite at this step; 0: never
+    nan_rank: int = 0  # ... on this rank only
+    nan_value: str = "nan"  # nan | inf
 
 
 @dataclass
@@ -114,6 +131,7 @@ class Config:
     optim: OptimConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     seed: int = 0
 
 
@@ -130,15 +148,19 @@ CHOICES = {
     "dist.backend": ("auto", "gloo", "nccl"),
     "train.compile_mode": ("default", "reduce-overhead", "max-autotune",
                            "max-autotune-no-cudagraphs"),
+    "train.nonfinite": ("skip", "stop"),
+    "fault.nan_value": ("nan", "inf"),
 }
 
 POSITIVE = ("train.batch_size", "train.accum_steps", "train.log_every", "model.image_size",
             "data.num_classes", "data.num_samples", "data.val_samples", "data.pool_size",
             "dist.timeout_s", "optim.lr")
-NON_NEGATIVE = ("train.epochs", "train.max_steps", "train.timing_warmup", "train.calibrate_steps", "train.eval_every_epochs",
+NON_NEGATIVE = ("train.epochs", "train.max_steps", "train.timing_warmup", "train.calibrate_steps",
+                "train.eval_every_epochs",
                 "train.stop_at_step", "train.checkpoint_every", "train.keep_every",
                 "data.num_workers", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip",
-                "sync.bucket_mb")
+                "sync.bucket_mb", "train.consistency_every", "fault.at_step", "fault.nan_at_step",
+                "fault.hang_s")
 
 
 def _get(cfg, dotted: str):
@@ -164,8 +186,23 @@ def validate(cfg) -> None:
         raise ConfigError(f"model.dropout={cfg.model.dropout} must be in [0, 1)")
     if cfg.train.epochs == 0 and cfg.train.max_steps == 0:
         raise ConfigError("set train.epochs or train.max_steps to something > 0")
+    _validate_reliability(cfg)
     if cfg.data.name in ("cifar10", "imagefolder") and not cfg.data.root:
         raise ConfigError(f"data={cfg.data.name} needs data.root=<directory>")
+
+
+def _validate_reliability(cfg) -> None:
+    t, f = cfg.train, cfg.fault
+    if t.resume not in ("auto", "never") and not os.path.isfile(t.resume):
+        raise ConfigError(f"train.resume={t.resume!r} is not auto, never or an existing checkpoint "
+                          "file")
+    if t.keep_every and t.checkpoint_every and t.keep_every % t.checkpoint_every:
+        raise ConfigError(f"train.keep_every={t.keep_every} must be a multiple of "
+                          f"train.checkpoint_every={t.checkpoint_every}: kept checkpoints are the "
+                          "regular ones saved at those steps, so others would silently be missing")
+    if (f.kill_rank >= 0 or f.hang_rank >= 0 or f.perturb_rank >= 0) and f.at_step == 0:
+        raise ConfigError("fault.kill_rank / fault.hang_rank / fault.perturb_rank need "
+                          "fault.at_step=<step> (1-based)")
 
 
 def register_configs() -> None:

@@ -74,9 +74,30 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _restart_safe_store(world_size, local_world_size, timeout)
+    if store is not None:
+        kwargs["store"] = store
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
+                            **kwargs)
     return DistInfo(rank, local_rank, world_size, local_world_size, backend, device)
+
+
+def _restart_safe_store(world_size: int, local_world_size: int, timeout):
+    """torchrun (torch >= 2.5) shares its rendezvous TCPStore with the workers and keeps it across
+    restarts, without a per-attempt prefix: a restarted group can read the previous attempt's
+    gloo/NCCL addresses and fail to connect ("Connection refused", pytorch#135712). On one node
+    every worker sees the same TORCHELASTIC_RESTART_COUNT, so scope the keys by it there. Across
+    nodes the agents' counts can differ; there, launch torchrun with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt) when using --max-restarts."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0
+            or world_size != local_world_size):
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ddp_lab/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            base)
 
 
 def cleanup() -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from ddp_lab import checkpoint, dist as ddp_dist
+from ddp_lab import checkpoint, dist as ddp_dist, fault, guard
 from ddp_lab.config import ConfigError, register_configs, validate
 from ddp_lab.data import build_data
 from ddp_lab.metrics import StepTimer, make_logger
@@ -47,15 +47,19 @@ def train(cfg, run_dir: str) -> dict:
         if info.is_main:
             os.makedirs(run_dir, exist_ok=True)
         _setup_logging(run_dir, info.is_main)
-        logger = make_logger(run_dir, info.is_main)
-        return _train(cfg, run_dir, info, logger)
+        with guard.collective_errors(cfg.dist.timeout_s):
+            # Before anything is written: a run dir of another config is refused untouched.
+            resumed = checkpoint.resume(OmegaConf.to_container(cfg, resolve=True), run_dir,
+                                        cfg.train.resume, info.world_size, log.warning)
+            logger = make_logger(run_dir, info.is_main)
+            return _train(cfg, run_dir, info, logger, resumed)
     finally:
         if logger is not None:
             logger.close()
         ddp_dist.cleanup()
 
 
-def _train(cfg, run_dir, info, logger) -> dict:
+def _train(cfg, run_dir, info, logger, resumed) -> dict:
     device, tcfg = info.device, cfg.train
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     digest = checkpoint.config_digest(cfg_dict, info.world_size)
@@ -85,8 +89,9 @@ def _train(cfg, run_dir, info, logger) -> dict:
     if info.is_main:
         for stale in checkpoint.clean_stale_temporaries(run_dir):
             log.warning("removed stale temporary %s", stale)
-    resumed = checkpoint.find_resumable(run_dir, tcfg.resume, digest, log.warning)
+    checkpoint.check_keep_every(tcfg.keep_every, tcfg.checkpoint_every, steps_per_epoch)
     if resumed is not None:
+        checkpoint.check_position(resumed, steps_per_epoch, tcfg.accum_steps)
         model.load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
@@ -95,20 +100,24 @@ def _train(cfg, run_dir, info, logger) -> dict:
         start_step = resumed["step"]
         log.info("resumed from %s at step %d", resumed["path"], start_step)
 
+    faults = fault.Faults(cfg.fault, info.rank, info.world_size, model)
+    checks = guard.Guard(tcfg, cfg.sync.name, info, model, precision.scaler, total_steps)
+
     if info.is_main:
         _record_run(cfg, run_dir, info, logger, global_batch, total_steps, data)
 
     def save_checkpoint(step: int) -> None:
+        guard.assert_finite(model, optimizer, step)  # a NaN never reaches a checkpoint
         rng = checkpoint.gather_rng_states(device)
         if info.is_main:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scheduler": scheduler.state_dict(), "scaler": precision.scaler.state_dict(),
-                     "step": step, "rng": rng, "config_digest": digest,
-                     "world_size": info.world_size}
-            checkpoint.atomic_save(state, os.path.join(run_dir, checkpoint.LATEST))
-            if tcfg.keep_every and step % tcfg.keep_every == 0:
-                checkpoint.atomic_save(state, os.path.join(run_dir, f"checkpoint_step{step}.pt"))
-        dist.barrier()
+                     "step": step, "epoch": step // steps_per_epoch,
+                     "epoch_batch": (step % steps_per_epoch) * tcfg.accum_steps,
+                     "rng": rng, "config_digest": digest, "world_size": info.world_size,
+                     "resume_config": checkpoint.resume_config(cfg_dict, info.world_size)}
+            checkpoint.save(state, run_dir, step, tcfg.keep_every)
+        dist.barrier()  # nobody runs ahead of a checkpoint that is not on disk yet
 
     def evaluate() -> tuple[float, float]:
         """Validation loss and accuracy over every sample once, reduced as (sum, count)."""
@@ -148,6 +157,8 @@ def _train(cfg, run_dir, info, logger) -> dict:
     model.train()
     timer.restart()
     for step in range(start_step, stop_step):
+        faults.on_step(step + 1)  # fault.* injection (tests, demos); off by default
+        checks.begin_step(step + 1)
         if step // steps_per_epoch != epoch:
             epoch = step // steps_per_epoch
             batches = data.train.epoch(epoch)
@@ -164,6 +175,7 @@ def _train(cfg, run_dir, info, logger) -> dict:
                 timer.mark("backward")
             loss_window += loss.detach()
         sync.finish()  # gradients averaged over ranks from here on
+        checks.after_sync(step + 1, loss, optimizer)  # inf/NaN: skip on every rank, or stop
         timer.mark("comm")
         if cfg.optim.grad_clip > 0:
             precision.scaler.unscale_(optimizer)
@@ -211,12 +223,16 @@ def _train(cfg, run_dir, info, logger) -> dict:
         checkpoint_now = done == stop_step or (
             tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0) or (
             not tcfg.checkpoint_every and end_of_epoch)
+        checked = checks.end_step(done)  # count scaler skips; compare replicas every N steps
         if checkpoint_now:
             save_checkpoint(done)
-        if eval_now or checkpoint_now:
+        if eval_now or checkpoint_now or checked:
             timer.restart()  # eval and checkpoint time is not step time
             clock_steps, clock_t0 = 0, time.perf_counter()
     bar.close()
+    if stop_step < total_steps:
+        log.info("stopped at step %d of %d (train.stop_at_step): run the same command without it "
+                 "to continue from the checkpoint", stop_step, total_steps)
 
     if start_step >= stop_step:
         log.info("nothing to do: the checkpoint in %s is already at step %d of %d "
@@ -251,6 +267,7 @@ def _train(cfg, run_dir, info, logger) -> dict:
         "rank_param_digests": digests,
         "comm_bytes_per_step": sync.bytes_per_step(),
         "parameters": sum(p.numel() for p in model.parameters()),
+        **checks.summary(),
     }
     if device.type == "cuda":
         summary["max_memory_allocated_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -366,9 +383,22 @@ def _register_resolvers() -> None:
     if not OmegaConf.has_resolver("ddp_lab.run_name"):
         # Deterministic run dir shared by all ranks: the overrides, or "default".
         OmegaConf.register_new_resolver("ddp_lab.run_name", lambda s: s or "default")
-        # Only rank 0 writes Hydra's .hydra/ record.
-        OmegaConf.register_new_resolver(
-            "ddp_lab.rank0_only", lambda s: s if os.environ.get("RANK", "0") == "0" else None)
+        # Only rank 0 writes Hydra's .hydra/ record, and only into a new run dir (or one started
+        # over with train.resume=never): a resumed or refused start leaves the first one intact.
+        OmegaConf.register_new_resolver("ddp_lab.rank0_only", _hydra_record_dir)
+
+
+def _hydra_record_dir(subdir: str, *, _root_):
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    try:
+        out = _root_.hydra.runtime.output_dir
+        if (_root_.train.resume != "never"
+                and os.path.exists(os.path.join(out, subdir, "config.yaml"))):
+            return None
+    except Exception:  # no run dir yet (or no train node): Hydra's default
+        pass
+    return subdir
 
 
 def run_hydra_app(task, config_name: str) -> None:
@@ -391,6 +421,10 @@ def run_hydra_app(task, config_name: str) -> None:
             if os.environ.get("RANK", "0") == "0":
                 print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except guard.TrainingError as e:  # hang, dead peer, NaN (stop), diverged replicas
+            if e.every_rank or os.environ.get("RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(3)
 
     entry()
 

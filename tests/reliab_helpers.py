@@ -1,0 +1,99 @@
+"""Shared by the reliability tests (test_resume, test_faults, test_bad_input): a tiny run, a
+launcher that kills the whole process group on timeout (a hung rank must not outlive a test),
+and the uninterrupted reference runs, made once per session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import FAST, REPO, check, env
+
+# 2 ranks x 8 = 16 samples per step, 48 samples: 3 steps per epoch, 6 steps in 2 epochs, so a stop
+# at step 4 (or 2) is mid-epoch. Random images (see test_train.py on why not digits). Dropout on:
+# resuming must restore every rank's RNG to reproduce the masks.
+TINY = [a for a in FAST if not a.startswith("model.dropout")] + [
+    "data=synthetic", "data.num_samples=48", "data.val_samples=16", "model.default_classes=10",
+    "train.epochs=2", "train.batch_size=8", "optim.warmup_steps=0", "train.log_every=1"]
+RESUME = TINY + ["model.dropout=0.5"]
+NO_DROPOUT = TINY + ["model.dropout=0"]
+
+SYNCS = [
+    "ddp",
+    pytest.param("ring", marks=pytest.mark.skipif(
+        not os.path.exists(os.path.join(REPO, "conf", "sync", "ring.yaml")),
+        reason="sync=ring is not available yet (no conf/sync/ring.yaml on this branch)")),
+]
+
+
+def launch(args: list[str], nproc: int = 2, timeout: float = 180, launcher=None,
+           module: str = "ddp_lab.train", extra_env=None):
+    """torchrun (or, with nproc=0, plain python) -m module args, in its own session: on timeout
+    the whole group is killed, so no worker outlives the test. Adds .elapsed (seconds)."""
+    if nproc:
+        launcher = launcher or ["--standalone", f"--nproc_per_node={nproc}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", module, *args]
+    else:
+        cmd = [sys.executable, "-m", module, *args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(**(extra_env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {cmd}\n{out[-3000:]}\n{err[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed job
+        except ProcessLookupError:
+            pass
+    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err,
+                           elapsed=time.monotonic() - t0)
+
+
+def ckpt(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a: dict, b: dict, what: str = "") -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what}: tensors differ bitwise: {differ[:5]}"
+
+
+def assert_same_training_state(run_dir, ref_dir) -> None:
+    """Final parameters and optimizer state equal bitwise (torch.equal) to the reference's."""
+    got, ref = ckpt(os.path.join(run_dir, "checkpoint.pt")), ckpt(os.path.join(ref_dir, "checkpoint.pt"))
+    assert got["step"] == ref["step"]
+    assert_bitwise_equal(got["model"], ref["model"], "parameters")
+    for i, s in ref["optimizer"]["state"].items():
+        assert_bitwise_equal(got["optimizer"]["state"][i], s, f"optimizer state {i}")
+    assert got["scheduler"]["last_epoch"] == ref["scheduler"]["last_epoch"]
+
+
+def train_log(run_dir) -> str:
+    with open(os.path.join(run_dir, "train.log")) as f:
+        return f.read()
+
+
+_references: dict = {}
+
+
+def reference(tmp_path_factory, sync: str, args=RESUME):
+    """The uninterrupted run every resumed or restarted run must equal (one per session)."""
+    key = (sync, tuple(args))
+    if key not in _references:
+        run_dir = tmp_path_factory.mktemp(f"reference_{sync}")
+        check(launch(args + [f"sync={sync}", "train.checkpoint_every=6",
+                             f"hydra.run.dir={run_dir}"]))
+        _references[key] = run_dir
+    return _references[key]

@@ -1,0 +1,148 @@
+"""Injected faults (`fault.*`) on real 2-rank gloo jobs, each against what must survive it:
+a killed rank under torchrun --max-restarts=1 (the restarted group resumes and ends bitwise equal
+to an uninterrupted run), a hung rank (the job fails within dist.timeout_s, naming the collective
+and the rank), non-finite losses (fp16: the scaler skips on every rank; fp32: skip together or
+stop, never a NaN in a checkpoint), a diverged replica (stopped, ranks named)."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_lab import guard
+from helpers import check, summary
+from reliab_helpers import (NO_DROPOUT, RESUME, SYNCS, assert_same_training_state, ckpt, launch,
+                            reference, train_log)
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_path,
+                                                                          tmp_path_factory):
+    ref = reference(tmp_path_factory, "ddp")
+    run = tmp_path / "run"
+    proc = launch(RESUME + ["sync=ddp", f"hydra.run.dir={run}", "train.checkpoint_every=2",
+                            "fault.kill_rank=1", "fault.at_step=5"],
+                  launcher=["--standalone", "--nproc_per_node=2", "--max-restarts=1"], timeout=240)
+    check(proc)
+    assert "fault: killing rank 1 (SIGKILL) at step 5" in proc.stderr
+    assert proc.stderr.count("fault: killing") == 1  # the restarted attempt runs clean
+    assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
+    assert_same_training_state(run, ref)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sync", SYNCS)
+def test_hung_rank_fails_the_job_within_the_timeout_naming_collective_and_rank(sync, tmp_path):
+    timeout_s = 10
+    proc = launch(NO_DROPOUT + [f"sync={sync}", f"hydra.run.dir={tmp_path}", "train.max_steps=4",
+                                f"dist.timeout_s={timeout_s}", "fault.hang_rank=1",
+                                "fault.at_step=3", "fault.hang_s=150"], timeout=150)
+    # rank 1 would sleep 150 s: ending well before proves rank 0 gave up and torchrun ended it
+    assert proc.returncode != 0
+    assert proc.elapsed < 90, proc.elapsed
+    err = proc.stderr
+    assert "fault: rank 1 hangs at step 3" in err
+    line = next(l for l in err.splitlines() if l.startswith("error: rank 0: collective"))
+    assert f"timed out after dist.timeout_s={timeout_s}" in line, line
+    assert "at step 3" in line and "ranks behind: rank 1 (last began step 2)" in line, line
+    if sync == "ddp":
+        assert "gradient all-reduce inside backward (sync=ddp)" in line, line
+    assert "Traceback" not in err.split("error: rank 0")[0]
+
+
+@pytest.mark.timeout(200)
+def test_fp32_nonfinite_step_is_skipped_on_every_rank(tmp_path):
+    """NaN logits on rank 1 only at step 2: both ranks skip step 2 (an all-reduced decision),
+    and the skip is a true no-op: parameters and momentum after step 2 equal those after step 1
+    (that training moves them at all is test_train's and test_resume's business)."""
+    proc = launch(NO_DROPOUT + ["sync=ddp", f"hydra.run.dir={tmp_path}", "train.max_steps=2",
+                                "train.checkpoint_every=1", "train.keep_every=1",
+                                "fault.nan_at_step=2", "fault.nan_rank=1"])
+    check(proc)
+    s = summary(tmp_path)
+    assert s["nonfinite_skipped_steps"] == 1 and s["rank_nonfinite_skipped_steps"] == [[2], [2]]
+    assert len(set(s["rank_param_digests"])) == 1
+    assert ("step 2: non-finite loss on rank(s) [1]; non-finite gradients on rank(s) [0, 1]; "
+            "step skipped on every rank") in train_log(tmp_path)
+    one, two = (ckpt(tmp_path / f"checkpoint_step{k}.pt") for k in (1, 2))
+    for k in one["model"]:
+        assert torch.equal(one["model"][k], two["model"][k]), k
+    for i in one["optimizer"]["state"]:
+        assert torch.equal(one["optimizer"]["state"][i]["momentum_buffer"],
+                           two["optimizer"]["state"][i]["momentum_buffer"])
+    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows if r.get("train/loss") != r.get("train/loss")] == [2]  # NaN
+
+
+@pytest.mark.timeout(200)
+def test_fp32_nonfinite_stop_policy_fails_clearly_and_keeps_a_finite_checkpoint(tmp_path):
+    proc = launch(NO_DROPOUT + ["sync=ddp", f"hydra.run.dir={tmp_path}", "train.max_steps=4",
+                                "train.checkpoint_every=1", "train.nonfinite=stop",
+                                "fault.nan_at_step=3", "fault.nan_rank=1"])
+    assert proc.returncode != 0
+    assert ("error: step 3: non-finite loss on rank(s) [1]; non-finite gradients on rank(s) "
+            "[0, 1]; stopping (train.nonfinite=stop)") in proc.stderr
+    c = ckpt(tmp_path / "checkpoint.pt")
+    assert c["step"] == 2
+    assert all(torch.isfinite(v).all() for v in c["model"].values())
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.timeout(200)
+def test_fp16_inf_is_skipped_by_the_scaler_on_every_rank_and_the_scale_halved(tmp_path):
+    proc = launch(NO_DROPOUT + ["sync=ddp", "precision=fp16", f"hydra.run.dir={tmp_path}",
+                                "train.max_steps=3", "precision.init_scale=1024",
+                                "fault.nan_at_step=2", "fault.nan_rank=1", "fault.nan_value=inf"])
+    check(proc)
+    s = summary(tmp_path)
+    assert s["precision"] == "fp16" and s["rank_nonfinite_skipped_steps"] == [[2], [2]]
+    assert len(set(s["rank_param_digests"])) == 1
+    scale = {r["step"]: r["precision/loss_scale"] for r in map(json.loads, open(
+        tmp_path / "metrics.jsonl")) if "precision/loss_scale" in r}
+    assert scale == {1: 1024.0, 2: 512.0, 3: 512.0}
+    assert "GradScaler found inf/NaN gradients, step skipped on every rank, loss scale 1024 -> 512" \
+        in train_log(tmp_path)
+    assert all(torch.isfinite(v).all() for v in ckpt(tmp_path / "checkpoint.pt")["model"].values())
+
+
+@pytest.mark.timeout(200)
+def test_diverged_replica_stops_training_naming_the_rank(tmp_path):
+    """Rank 1's first parameter moves by one ulp before step 2; the checksum after step 2 sees it."""
+    proc = launch(NO_DROPOUT + ["sync=ddp", f"hydra.run.dir={tmp_path}", "train.max_steps=4",
+                                "train.consistency_every=1", "train.checkpoint_every=1",
+                                "fault.perturb_rank=1", "fault.at_step=2"])
+    assert proc.returncode != 0
+    assert "error: replicas diverged by step 2: rank(s) [1] differ from rank(s) [0]" in proc.stderr
+    assert ckpt(tmp_path / "checkpoint.pt")["step"] == 1  # the diverged step was not saved
+
+
+# ---- in-process ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_nan_never_reaches_a_checkpoint(one_rank_group):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    guard.assert_finite(model, opt, 1)
+    opt.state[model.weight]["momentum_buffer"][0, 0] = float("inf")
+    with pytest.raises(guard.NonFiniteError, match="refusing to checkpoint step 2"):
+        guard.assert_finite(model, opt, 2)
+
+
+def test_param_checksum_sees_one_ulp_and_only_real_changes():
+    a = [torch.randn(5000), torch.randn(3, 7)]
+    b = [t.clone() for t in a]
+    assert torch.equal(guard.param_checksum(a), guard.param_checksum(b))
+    b[0][4321] = torch.nextafter(b[0][4321], torch.tensor(float("inf")))
+    assert not torch.equal(guard.param_checksum(a), guard.param_checksum(b))
+    c = [a[0].flip(0), a[1]]  # same values, other positions
+    assert not torch.equal(guard.param_checksum(a), guard.param_checksum(c))
