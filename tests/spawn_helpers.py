@@ -14,7 +14,8 @@ import socket
 import time
 import traceback
 
-PRELOAD = ["torch", "torch.distributed", "ddp_lab.comm"]
+# torch._dynamo: DDP imports it on first construction, 2-3 s per process otherwise.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddp_lab.comm", "ddp_lab.sync"]
 
 
 def free_port() -> int:

@@ -350,3 +350,26 @@ def test_a_dead_peer_is_a_clear_error_not_a_hang(algo):
         assert "rank" in r["error"]
     assert any("from rank 1 " in r["error"] or "to rank 1 " in r["error"] for r in survivors), \
         survivors
+
+
+def _silent_peer(rank, n, timeout_s):
+    comm.all_reduce(torch.ones(10), "ring")
+    if rank == 1:
+        time.sleep(timeout_s + 2)  # alive, but never joins the second all-reduce in time
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(1 << 16), "ring")
+    except comm.CommError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_peer_fails_at_the_group_timeout():
+    """Rank 1 is alive but never sends: the others fail after the group's timeout (2 s here)."""
+    results = spawn(_silent_peer, 3, 2.0, timeout=30, pg_timeout_s=2.0, final_barrier=False)
+    for r in (results[0], results[2]):
+        assert r["error"] and "ring all-reduce failed at step 0" in r["error"], r
+        assert "rank 1" in r["error"] and "Timed out" in r["error"], r
+        assert 1.5 < r["seconds"] < 10, r
