@@ -220,10 +220,11 @@ class BucketedSync(GradSync):
                     t0 = time.perf_counter()
                     comm.all_reduce(bucket.buffer, self.algo, self.group)
                     self._busy_s += time.perf_counter() - t0
-            if self.comm_dtype is None and n > 1:
-                bucket.buffer.div_(n)  # SUM then divide
             for p, view in zip(bucket.params, bucket.views):
-                p.grad.copy_(view)
+                if self.comm_dtype is None and n > 1:
+                    torch.div(view, n, out=p.grad)  # SUM then divide, fused into the unpack
+                else:
+                    p.grad.copy_(view)  # (low dtype: divided before the cast already)
 
     def _end_step(self) -> None:
         self._last = {"bytes_per_step": self._recorder.bytes_sent,
