@@ -25,8 +25,9 @@ def free_port() -> int:
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 120, pg_timeout_s: float = 60,
-          final_barrier: bool = True) -> list:
-    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes that form one gloo group;
+          final_barrier: bool = True, backend: str = "gloo") -> list:
+    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes that form one gloo group
+    (backend="nccl": one CUDA device per rank, cuda:rank);
     return each rank's return value (None for a rank that died without returning).
 
     Processes fork from a forkserver that imported torch once, so a group starts in well under a
@@ -36,7 +37,8 @@ def spawn(fn, world_size: int, *args, timeout: float = 120, pg_timeout_s: float 
     ctx.set_forkserver_preload(PRELOAD)
     port, results = free_port(), ctx.Queue()
     procs = [ctx.Process(target=_spawn_entry, daemon=True,
-                         args=(fn, rank, world_size, port, pg_timeout_s, final_barrier, args, results))
+                         args=(fn, rank, world_size, port, pg_timeout_s, final_barrier, backend, args,
+                               results))
              for rank in range(world_size)]
     for p in procs:
         p.start()
@@ -69,7 +71,8 @@ def spawn(fn, world_size: int, *args, timeout: float = 120, pg_timeout_s: float 
     return out
 
 
-def _spawn_entry(fn, rank, world_size, port, pg_timeout_s, final_barrier, args, results):
+def _spawn_entry(fn, rank, world_size, port, pg_timeout_s, final_barrier, backend, args,
+                 results):
     import torch
     import torch.distributed as dist
 
@@ -77,8 +80,12 @@ def _spawn_entry(fn, rank, world_size, port, pg_timeout_s, final_barrier, args, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s), **kwargs)
         value = fn(rank, world_size, *args)
         if final_barrier:
             dist.barrier()  # nobody leaves while a peer may still read from it
