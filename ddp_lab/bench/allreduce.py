@@ -52,7 +52,7 @@ class AllreduceBenchConfig:
     warmup: int = 5
     iters: int = 20
     min_iters: int = 3
-    case_seconds: float = 2.0
+    case_seconds: float = 1.0
     plot: bool = True
     dist: DistConfig = field(default_factory=DistConfig)
 
