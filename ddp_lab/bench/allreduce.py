@@ -21,7 +21,6 @@ outputs/bench/allreduce/<overrides>/.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -38,7 +37,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float64": torch.float64}
 COLUMNS = ["algo", "backend", "world_size", "dtype", "bytes", "time_us", "algbw_GBps",
            "busbw_GBps", "wrong"]
-log = logging.getLogger("ddp_lab")
 
 
 @dataclass
