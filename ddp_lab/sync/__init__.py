@@ -5,6 +5,7 @@ from __future__ import annotations
 from ddp_lab.config import ConfigError
 from ddp_lab.dist import DistInfo
 from ddp_lab.sync.base import GradSync
+from ddp_lab.sync.bucketed import BucketedSync
 from ddp_lab.sync.ddp import DDPSync
 from ddp_lab.sync.none import NoSync
 
@@ -17,7 +18,9 @@ def build_sync(scfg, info: DistInfo) -> GradSync:
         return NoSync()
     if scfg.name == "ddp":
         return DDPSync(scfg, info.device, info.world_size)
+    if scfg.name in ("naive", "ring", "tree"):
+        return BucketedSync(scfg, info.device, info.world_size)
     raise ConfigError(f"sync={scfg.name} is not available yet")
 
 
-__all__ = ["GradSync", "build_sync"]
+__all__ = ["BucketedSync", "DDPSync", "GradSync", "NoSync", "build_sync"]

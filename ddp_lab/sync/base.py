@@ -31,3 +31,17 @@ class GradSync:
     def bytes_per_step(self) -> int:
         """Bytes this rank sends per synchronised step (0 where the sync cannot count them)."""
         return 0
+
+    # ---- optional measurements, for the scaling work (safe defaults) ----
+
+    def comm_busy_ms(self) -> float:
+        """Milliseconds spent communicating in the last synchronised step (NaN if not measured).
+        With bytes_per_step() it gives the achieved bandwidth: bytes / busy time."""
+        return float("nan")
+
+    def comm_stats(self) -> dict:
+        """Everything the sync measured about its communication, as plain data."""
+        return {"bytes_per_step": self.bytes_per_step(), "comm_busy_ms": self.comm_busy_ms()}
+
+    def close(self) -> None:
+        """Remove hooks and stop helper threads (optional: they are daemons)."""

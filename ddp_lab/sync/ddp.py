@@ -3,13 +3,38 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lab.sync.base import GradSync
 
-COMPRESS_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+COMPRESS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compress_hook(dtype: torch.dtype):
+    """A DDP comm hook: all-reduce each bucket in `dtype`, averaged.
+
+    Unlike torch's fp16_compress_hook / bf16_compress_hook, which cast the bucket down *first* and
+    divide by the world size afterwards (so any gradient above 65504 becomes inf in fp16 even
+    when the average would fit), this divides in the bucket's own precision and then casts, as
+    our own syncs do: the fp16 sum of averages overflows only where the average itself does."""
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        compressed = torch.empty_like(buffer, dtype=dtype)
+        torch.div(buffer, dist.get_world_size(group), out=compressed)
+        fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return fut.then(decompress)
+
+    hook.__name__ = f"{str(dtype).replace('torch.', '')}_divide_first_compress_hook"
+    return hook
 
 
 class DDPSync(GradSync):
@@ -27,16 +52,16 @@ class DDPSync(GradSync):
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
         )
-        if self.cfg.comm_dtype in COMPRESS_HOOKS:
-            # The hooks divide by world size before casting, so the sum cannot overflow fp16.
-            self.ddp.register_comm_hook(None, COMPRESS_HOOKS[self.cfg.comm_dtype])
+        if self.cfg.comm_dtype in COMPRESS_DTYPES:
+            # Divide by the world size, then cast down, then sum: see compress_hook.
+            self.ddp.register_comm_hook(None, compress_hook(COMPRESS_DTYPES[self.cfg.comm_dtype]))
         return self.ddp
 
     def no_sync(self):
         return self.ddp.no_sync()
 
     def bytes_per_step(self) -> int:
-        # DDP's ring (NCCL or gloo) moves 2(N-1)/N of the gradient bytes per rank.
+        # Estimated, not counted (DDP's traffic is inside the backend): DDP's ring (NCCL or gloo) moves 2(N-1)/N of the gradient bytes per rank.
         elem = {"fp32": 4, "bf16": 2, "fp16": 2}[self.cfg.comm_dtype]
         numel = sum(p.numel() for p in self.ddp.module.parameters() if p.requires_grad)
         return int(2 * (self.world_size - 1) / self.world_size * numel * elem)

@@ -1,0 +1,201 @@
+"""All-reduce benchmark, nccl-tests style: our naive/ring/tree against the backend's own.
+
+    torchrun --standalone --nproc_per_node=2 -m ddp_lab.bench.allreduce            # 2 CPU ranks, gloo
+    torchrun --standalone --nproc_per_node=8 -m ddp_lab.bench.allreduce            # 8 GPUs, NCCL
+    python -m ddp_lab.bench.allreduce algos=[ring,native] dtypes=[float32] max_bytes=67108864
+
+For every dtype, message size S (min_bytes, x factor, ..., max_bytes) and algorithm: warm-up, then
+timed calls (median; the slowest rank's median, since a collective is done when its last rank is);
+one row with
+    algo, backend, world_size, dtype, bytes (S), time_us,
+    algbw_GBps = S / t, busbw_GBps = algbw * 2(N-1)/N (nccl-tests' definitions, GB = 1e9 bytes),
+    wrong = elements, summed over ranks, that differ beyond tolerance from the native all-reduce's
+            result on the same input (for `native` itself: from the exact sum, which is known
+            because the input is integer-valued: rank r holds (r+1) * p for a random p in
+            {-1, 0, 1}, so the sum is p * N(N+1)/2, exact in every dtype for N <= 22).
+Timed calls run on a separate zero-filled buffer (in place, repeated: zeros stay zeros, so no
+overflow or denormals skew the timing); the check runs once, untimed, on fresh inputs.
+Rank 0 prints the table and writes allreduce.jsonl, allreduce.csv (and allreduce_busbw.png) into
+outputs/bench/allreduce/<overrides>/.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from hydra.core.config_store import ConfigStore
+
+from ddp_lab import comm, dist as ddp_dist
+from ddp_lab.bench.common import format_table, plot_lines, time_fn, write_rows
+from ddp_lab.config import ConfigError, DistConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+COLUMNS = ["algo", "backend", "world_size", "dtype", "bytes", "time_us", "algbw_GBps",
+           "busbw_GBps", "wrong"]
+
+
+@dataclass
+class AllreduceBenchConfig:
+    algos: list[str] = field(default_factory=lambda: ["naive", "ring", "tree", "native"])
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    min_bytes: int = 8
+    max_bytes: int = 1 << 30
+    factor: int = 2
+    cpu_max_bytes: int = 128 << 20
+    warmup: int = 5
+    iters: int = 20
+    min_iters: int = 3
+    case_seconds: float = 1.0
+    plot: bool = True
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+ConfigStore.instance().store(name="bench_allreduce_schema", node=AllreduceBenchConfig)
+
+
+def sizes(cfg, backend: str) -> list[int]:
+    top = min(cfg.max_bytes, cfg.cpu_max_bytes) if backend == "gloo" else cfg.max_bytes
+    out, s = [], cfg.min_bytes
+    while s <= top:
+        out.append(s)
+        s *= cfg.factor
+    return out
+
+
+def validate(cfg) -> None:
+    for a in cfg.algos:
+        if a not in comm.ALGOS:
+            raise ConfigError(f"algos: {a!r} is not one of {', '.join(comm.ALGOS)}")
+    for d in cfg.dtypes:
+        if d not in DTYPES:
+            raise ConfigError(f"dtypes: {d!r} is not one of {', '.join(DTYPES)}")
+    if not cfg.algos or not cfg.dtypes:
+        raise ConfigError("algos and dtypes must not be empty")
+    if cfg.min_bytes < 1 or cfg.max_bytes < cfg.min_bytes:
+        raise ConfigError(f"need 1 <= min_bytes <= max_bytes, got {cfg.min_bytes} and {cfg.max_bytes}")
+    if cfg.factor < 2:
+        raise ConfigError(f"factor={cfg.factor} must be >= 2")
+    if cfg.warmup < 0 or cfg.min_iters < 1 or cfg.iters < 1:
+        raise ConfigError(f"need warmup >= 0, iters >= 1 and min_iters >= 1, got {cfg.warmup}, "
+                          f"{cfg.iters} and {cfg.min_iters}")
+
+
+def _agree(value: float, op, device) -> float:
+    """The same number on every rank (MAX or SUM), so all ranks take the same decisions."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def _wrong(result: torch.Tensor, reference: torch.Tensor, n: int, chunk: int = 1 << 24) -> int:
+    """Elements of `result` further than n roundings (relative, at least absolute 1 ulp of 1)
+    from `reference`; in chunks, so a 1 GB check needs no 8 GB of float64 temporaries."""
+    eps, bad = torch.finfo(result.dtype).eps, 0
+    for a, b in zip(result.view(-1).split(chunk), reference.view(-1).split(chunk)):
+        ref = b.double()
+        bad += int(((a.double() - ref).abs() > eps * n * ref.abs().clamp(min=1)).sum().item())
+    return bad
+
+
+def bench(cfg, run_dir: str) -> list[dict]:
+    validate(cfg)
+    info = ddp_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    try:
+        return _bench(cfg, run_dir, info)
+    finally:
+        ddp_dist.cleanup()
+
+
+def _bench(cfg, run_dir, info) -> list[dict]:
+    device, n, rank = info.device, info.world_size, info.rank
+    dist.barrier()
+    rows = []
+    todo = sizes(cfg, info.backend)
+    if info.backend == "gloo" and cfg.max_bytes > cfg.cpu_max_bytes:
+        ddp_dist.print0(f"gloo on CPU: sizes above cpu_max_bytes={cfg.cpu_max_bytes} left out")
+    gen = torch.Generator(device=device)
+    for dname in cfg.dtypes:
+        dtype = DTYPES[dname]
+        elem = torch.empty((), dtype=dtype).element_size()
+        for nbytes in todo:
+            numel = nbytes // elem
+            if numel == 0:
+                continue
+            gen.manual_seed(numel)  # the same pattern on every rank
+            pattern = torch.randint(-1, 2, (numel,), device=device, generator=gen, dtype=torch.int8)
+            x = (pattern.to(dtype) * (rank + 1))
+            exact = pattern.to(torch.float64) * (n * (n + 1) // 2)
+            del pattern
+            native = comm.all_reduce(x.clone(), "native")
+            for algo in cfg.algos:
+                out = native if algo == "native" else comm.all_reduce(x.clone(), algo)
+                wrong = _wrong(out, exact if algo == "native" else native, n)
+                del out
+                work = torch.zeros_like(x)
+                call = lambda: comm.all_reduce(work, algo)  # noqa: E731
+                # A first call (warm-up) and a probe, agreed across ranks, decide how many calls
+                # fit case_seconds: every rank must make the same calls. Warm-up never takes
+                # longer than the timed part.
+                probe = _agree(time_fn(call, device, warmup=min(cfg.warmup, 1), iters=1),
+                               dist.ReduceOp.MAX, device)
+                iters = max(min(cfg.min_iters, cfg.iters),
+                            min(cfg.iters, int(cfg.case_seconds / max(probe, 1e-9))))
+                warmup = min(max(cfg.warmup - 2, 0), iters)
+                dist.barrier()
+                t = time_fn(call, device, warmup=warmup, iters=iters)
+                t = _agree(t, dist.ReduceOp.MAX, device)
+                algbw, busbw = comm.bus_bandwidth(numel * elem, t, n)
+                row = {"algo": algo, "backend": info.backend, "world_size": n, "dtype": dname,
+                       "bytes": numel * elem, "time_us": t * 1e6, "algbw_GBps": algbw / 1e9,
+                       "busbw_GBps": busbw / 1e9,
+                       "wrong": int(_agree(wrong, dist.ReduceOp.SUM, device))}
+                rows.append(row)
+                if info.is_main:
+                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in row.items()), file=sys.stderr, flush=True)
+                del work
+            del x, native, exact
+    if info.is_main:
+        _report(cfg, rows, run_dir)
+    return rows
+
+
+def _report(cfg, rows, run_dir) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    print(format_table(rows, COLUMNS), flush=True)
+    jsonl, csv_path = write_rows(rows, run_dir, "allreduce")
+    # Ratios measured in this one run: each algorithm against native at the large sizes.
+    native = {(r["dtype"], r["bytes"]): r["time_us"] for r in rows if r["algo"] == "native"}
+    for r in rows:
+        key = (r["dtype"], r["bytes"])
+        if r["algo"] != "native" and key in native and r["bytes"] >= 64 << 20:
+            print(f"{r['algo']} vs native, {r['dtype']} {r['bytes'] / 2**20:.0f} MiB: time ratio "
+                  f"{r['time_us'] / native[key]:.2f} (busbw {r['busbw_GBps']:.3g} GB/s)", flush=True)
+    bad = sum(r["wrong"] for r in rows)
+    print(f"{'all results correct' if bad == 0 else f'{bad} WRONG elements'}; rows in {jsonl} "
+          f"and {csv_path}", flush=True)
+    if cfg.plot and rows:
+        series = {}
+        for r in rows:
+            xs, ys = series.setdefault(f"{r['algo']} {r['dtype']}", ([], []))
+            xs.append(r["bytes"])
+            ys.append(r["busbw_GBps"])
+        path = plot_lines(series, os.path.join(run_dir, "allreduce_busbw.png"), xlabel="bytes",
+                          ylabel="busbw (GB/s)", logx=True,
+                          title=f"all-reduce, {rows[0]['backend']}, {rows[0]['world_size']} ranks")
+        print(f"plot: {path}", flush=True)
+
+
+def main() -> None:
+    from ddp_lab.train import run_hydra_app
+
+    run_hydra_app(bench, "bench/allreduce")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The one point-to-point layer every algorithm goes through.
+
+An algorithm sees the group through a `Channel`: group ranks only (translated to global ranks with
+`dist.get_global_rank`), and one call, `exchange(step, sends, recvs)`, that posts all of this rank's
+sends and receives of one schedule step as a batch (`dist.batch_isend_irecv`: on NCCL a paired
+send+recv must be issued as one group or the ring deadlocks) and waits for them. Because every
+byte passes through `exchange`, it is where bytes are counted, where the schedule can be traced
+as (step, op, peer, chunk), and where a failed or timed-out transfer becomes one clear error that
+names the algorithm, the step and the peer.
+
+Counting: `with recording() as rec:` collects, on this thread, every transfer made inside it
+(`rec.bytes_sent`, `rec.bytes_received`, `rec.messages`; `rec.trace` too with `trace=True`).
+Recorders nest; each open recorder on the thread sees every transfer.
+
+Transfers of empty tensors (a chunk of a tensor smaller than the group) are skipped: both ends know
+the sizes, so both skip, and they appear neither in the trace nor in the byte counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class CommError(RuntimeError):
+    """A point-to-point transfer of one of our collectives failed (dead peer, timeout)."""
+
+
+@dataclass
+class Recorder:
+    """What one thread sent and received while this recorder was open."""
+
+    trace: bool = False
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages: int = 0  # sends posted
+    events: list[tuple[int, str, int, int | None]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_received = self.messages = 0
+        self.events.clear()
+
+
+_local = threading.local()
+
+
+def _recorders() -> list[Recorder]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder | None = None, trace: bool = False):
+    """Count (and with trace=True, trace) every transfer this thread makes inside the block."""
+    rec = recorder if recorder is not None else Recorder(trace=trace)
+    stack = _recorders()
+    stack.append(rec)
+    try:
+        yield rec
+    finally:
+        stack.remove(rec)
+
+
+class Channel:
+    """One collective call's view of a process group."""
+
+    def __init__(self, algo: str, group=None):
+        self.algo = algo
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._global = [dist.get_global_rank(group, r) if group is not None else r
+                        for r in range(self.size)]
+
+    def exchange(self, step: int, sends=(), recvs=()) -> None:
+        """Post this rank's transfers of schedule step `step` and wait for all of them.
+
+        sends / recvs: (peer group rank, tensor, chunk index or None for the whole tensor)."""
+        ops, what = [], []
+        for kind, items, fn in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
+            for peer, tensor, chunk in items:
+                if tensor.numel() == 0:
+                    continue
+                assert tensor.is_contiguous() and peer != self.rank, (kind, peer, self.rank)
+                ops.append(dist.P2POp(fn, tensor, peer=self._global[peer], group=self.group))
+                what.append((kind, peer, chunk, tensor.numel() * tensor.element_size()))
+        if not ops:
+            return
+        for rec in _recorders():
+            for kind, peer, chunk, nbytes in what:
+                if kind == "send":
+                    rec.bytes_sent += nbytes
+                    rec.messages += 1
+                else:
+                    rec.bytes_received += nbytes
+                if rec.trace:
+                    rec.events.append((step, kind, peer, chunk))
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as e:  # noqa: BLE001 - re-raised with the schedule position
+            raise self._error(step, what, e) from e
+        # gloo returns one work per op (so a failure names its peer); NCCL may coalesce the batch
+        # into one work, and the failure then names every transfer of the step.
+        for i, work in enumerate(works):
+            try:
+                work.wait()  # gloo: blocks, up to the group's timeout; NCCL: the stream waits
+            except Exception as e:  # noqa: BLE001
+                raise self._error(step, [what[i]] if len(works) == len(what) else what, e) from e
+
+    def _error(self, step: int, what, cause: Exception) -> CommError:
+        desc = ", ".join(
+            f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (global {self._global[peer]})"
+            + (f" of chunk {chunk}" if chunk is not None else "")
+            for kind, peer, chunk, _ in what)
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return CommError(
+            f"{self.algo} all-reduce failed at step {step} on rank {self.rank} "
+            f"(global {self._global[self.rank]}) of {self.size}: {desc} did not complete: {first}. "
+            f"A peer process probably died or the process group timed out.")

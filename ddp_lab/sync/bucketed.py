@@ -1,0 +1,345 @@
+"""sync=naive|ring|tree: gradients averaged with our own all-reduce, bucketed, overlapped with backward.
+
+prepare(model)
+    Broadcast parameters and buffers from rank 0, so every replica starts equal. Cut the gradients
+    into buckets of at most `sync.bucket_mb` MiB (in the dtype they travel in) in *reverse*
+    parameter order, the order backward produces them; a parameter larger than a bucket gets one
+    of its own. Each bucket owns a flat buffer for the step's all-reduce (allocated once).
+
+overlap=false
+    finish() does it all: for each bucket in order, pack the grads into its buffer, all-reduce,
+    divide by the world size (SUM then divide: ReduceOp.AVG is NCCL-only), unpack.
+
+overlap=true
+    A post-accumulate-grad hook on every parameter counts the parameter ready in its bucket. When
+    a bucket is full it is handed to a communication thread, but strictly in bucket order: a full
+    bucket waits for every earlier one, so all ranks launch the same all-reduces in the same order
+    whatever order their grads arrive in. The thread packs, all-reduces and unpacks while backward
+    goes on. finish() hands over the buckets still waiting (a parameter that got no gradient this
+    step counts as zeros: it gets a zero grad), waits until the thread has done them all, and
+    re-raises anything that failed there.
+    - CPU (gloo): gloo ops block the calling thread, hence the thread: all the step's
+      communication runs there and the training thread only waits in finish().
+    - CUDA (NCCL): the same thread, issuing on a side stream of its own. The hook records an event
+      on the stream that produced the gradient and the side stream waits on it before reading
+      (packing) the grads; NCCL work is ordered after the side stream by the process group, and
+      the side stream after NCCL by `work.wait()`; finish() makes the training stream wait on an
+      event recorded after the last unpack. Memory: bucket buffers are allocated once and only
+      the side stream touches them; scratch buffers of the all-reduce are allocated and freed on
+      the side stream; grads are allocated by the training stream and are freed (zero_grad) only
+      after it has waited for the side stream, so nothing is reused while still in flight. Zero
+      grads for unused parameters are made on the training stream, in finish(), for that reason.
+
+accumulation
+    Under no_sync() the hooks do nothing; only the last micro-step's backward communicates.
+
+comm_dtype=bf16|fp16
+    Each gradient is divided by the world size in its own precision and only then cast into the
+    bucket (so an fp16 sum cannot overflow where the average would not), summed in the low
+    dtype, and cast back up on unpack. fp32: buckets in the gradients' own dtype.
+
+Counting: every byte goes through ddp_lab.comm's point-to-point layer; bytes_per_step() is what
+this rank sent between two finish() calls, counted, and comm_busy_ms() the time the communication
+spent inside all-reduce calls in that step (CUDA: events on the communication stream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_lab import comm
+from ddp_lab.comm.p2p import Recorder, recording
+from ddp_lab.sync.base import GradSync
+
+COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: the grad's own
+MiB = 1 << 20
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # flat, in the dtype the gradients travel in
+    views: list[torch.Tensor]  # buffer slices shaped like each parameter
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class BucketedSync(GradSync):
+    def __init__(self, scfg, device: torch.device, world_size: int, group=None):
+        if scfg.name not in ("naive", "ring", "tree"):
+            raise ValueError(f"BucketedSync runs naive, ring or tree, not {scfg.name!r}")
+        self.name = self.algo = scfg.name
+        self.bucket_bytes = int(scfg.bucket_mb * MiB)
+        self.overlap = bool(scfg.overlap)
+        self.comm_dtype = COMM_DTYPES[scfg.comm_dtype]
+        self.device, self.world_size, self.group = device, world_size, group
+        self.cuda = device.type == "cuda"
+        self.params: list[nn.Parameter] = []
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, int] = {}
+        self._hooks = []
+        self._worker: _CommThread | None = None
+        self._enabled = True  # False inside no_sync()
+        self._recorder = Recorder()
+        self._busy_s = 0.0  # CPU: host time inside all_reduce this step
+        self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA
+        self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
+        self._last = {"bytes_per_step": 0, "comm_busy_ms": float("nan"), "launched_in_backward": 0}
+        self._reset_step()
+
+    # ---- set-up ----
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.detach(), src=dist.get_global_rank(self.group, 0)
+                               if self.group is not None else 0, group=self.group)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = self._build_buckets(self.params)
+        self._bucket_of = {p: b.index for b in self.buckets for p in b.params}
+        if self.overlap:
+            self._worker = _CommThread(self._reduce_bucket, self.device)
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                           for p in self.params]
+        self._reset_step()
+        return model
+
+    def _build_buckets(self, params) -> list[Bucket]:
+        groups, cur, cur_bytes, cur_key = [], [], 0, None
+        for p in reversed(params):  # backward makes the last layers' grads first
+            dtype = self.comm_dtype or p.dtype
+            nbytes = p.numel() * torch.empty((), dtype=dtype).element_size()
+            key = (p.device, dtype)
+            if cur and (cur_bytes + nbytes > self.bucket_bytes or key != cur_key):
+                groups.append((cur, cur_key))
+                cur, cur_bytes = [], 0
+            cur.append(p)
+            cur_bytes += nbytes
+            cur_key = key
+        if cur:
+            groups.append((cur, cur_key))
+        buckets = []
+        for i, (ps, (device, dtype)) in enumerate(groups):
+            buffer = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
+            views, off = [], 0
+            for p in ps:
+                views.append(buffer[off:off + p.numel()].view(p.shape))
+                off += p.numel()
+            buckets.append(Bucket(i, ps, buffer, views))
+        return buckets
+
+    # ---- the step ----
+
+    def no_sync(self):
+        return _Disabled(self)
+
+    def _reset_step(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._ready_params: set[int] = set()
+        self._launched = 0  # buckets handed to the communication thread, in order
+        self._launched_in_backward = 0
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook (the autograd thread; for CUDA not the training thread)."""
+        if not self._enabled:
+            return  # accumulating: this micro-step does not communicate
+        if id(p) in self._ready_params:
+            raise RuntimeError(
+                f"sync={self.algo}: a parameter of shape {tuple(p.shape)} got its gradient twice "
+                f"in one synchronised step; run backward once per step outside no_sync() "
+                f"(other micro-steps inside it)")
+        self._ready_params.add(id(p))
+        b = self._bucket_of[p]
+        self._ready[b] += 1
+        # Launch strictly in bucket order, so every rank issues the same sequence of all-reduces.
+        while (self._launched < len(self.buckets)
+               and self._ready[self._launched] == len(self.buckets[self._launched].params)):
+            self._worker.submit(self._launched, self._ready_event())
+            self._launched += 1
+            self._launched_in_backward += 1
+
+    def _ready_event(self):
+        """CUDA: an event after the gradient-producing work on the current stream."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def finish(self) -> None:
+        if not self.buckets:
+            return
+        for p in self.params:  # no gradient this step (unused parameter): it contributes zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # on the training stream, see the module docstring
+        try:
+            if self.overlap:
+                event = self._ready_event()
+                for b in range(self._launched, len(self.buckets)):  # the rest, still in order
+                    self._worker.submit(b, event)
+                self._launched = len(self.buckets)
+                self._worker.flush()  # waits for every bucket; raises what failed in the thread
+                if self.cuda:
+                    torch.cuda.current_stream().wait_event(self._worker.done_event)
+            else:
+                for b in range(len(self.buckets)):
+                    self._reduce_bucket(b, None)
+        finally:
+            self._end_step()  # a failed step leaves the next one a clean slate
+
+    def _reduce_bucket(self, b: int, ready_event) -> None:
+        """Pack, all-reduce, average, unpack one bucket (the communication thread, or finish())."""
+        bucket, n = self.buckets[b], self.world_size
+        if ready_event is not None:
+            torch.cuda.current_stream().wait_event(ready_event)
+        with torch.no_grad():
+            for p, view in zip(bucket.params, bucket.views):
+                if self.comm_dtype is None:
+                    view.copy_(p.grad)
+                else:  # divide before casting down: the fp16 sum of averages cannot overflow
+                    torch.div(p.grad, n, out=view)
+            with recording(self._recorder):
+                if self.cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    comm.all_reduce(bucket.buffer, self.algo, self.group)
+                    end.record()
+                    self._busy_events.append((start, end))
+                else:
+                    t0 = time.perf_counter()
+                    comm.all_reduce(bucket.buffer, self.algo, self.group)
+                    self._busy_s += time.perf_counter() - t0
+            for p, view in zip(bucket.params, bucket.views):
+                if self.comm_dtype is None and n > 1:
+                    torch.div(view, n, out=p.grad)  # SUM then divide, fused into the unpack
+                else:
+                    p.grad.copy_(view)  # (low dtype: divided before the cast already)
+
+    def _end_step(self) -> None:
+        self._last = {"bytes_per_step": self._recorder.bytes_sent,
+                      "comm_busy_ms": self._busy_s * 1e3 if not self.cuda else float("nan"),
+                      "launched_in_backward": self._launched_in_backward}
+        if self.cuda:
+            self._pending_busy.append(self._busy_events)
+            self._busy_events = []
+            self._resolve_busy(block=False)
+        self._recorder.reset()
+        self._busy_s = 0.0
+        self._reset_step()
+
+    def _resolve_busy(self, block: bool) -> None:
+        while self._pending_busy:
+            events = self._pending_busy[0]
+            if events and not block and not events[-1][1].query():
+                return
+            if events:
+                events[-1][1].synchronize()
+            self._last_busy_ms = sum(s.elapsed_time(e) for s, e in events)
+            self._pending_busy.pop(0)
+
+    # ---- what it measured ----
+
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sent in the last synchronised step (counted by the p2p layer)."""
+        return int(self._last["bytes_per_step"])
+
+    def comm_busy_ms(self) -> float:
+        """Milliseconds spent inside all-reduce calls in the last synchronised step."""
+        if self.cuda:
+            self._resolve_busy(block=True)
+            return getattr(self, "_last_busy_ms", float("nan"))
+        return self._last["comm_busy_ms"]
+
+    def comm_stats(self) -> dict:
+        return {"algo": self.algo, "overlap": self.overlap,
+                "comm_dtype": str(self.comm_dtype or "grad dtype").replace("torch.", ""),
+                "buckets": len(self.buckets), "bucket_bytes": [b.nbytes for b in self.buckets],
+                "bytes_per_step": self.bytes_per_step(), "comm_busy_ms": self.comm_busy_ms(),
+                "buckets_launched_in_backward": self._last["launched_in_backward"]}
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+class _Disabled(contextlib.AbstractContextManager):
+    def __init__(self, sync: BucketedSync):
+        self.sync = sync
+
+    def __enter__(self):
+        self.prev, self.sync._enabled = self.sync._enabled, False
+        return self
+
+    def __exit__(self, *exc):
+        self.sync._enabled = self.prev
+        return False
+
+
+class _CommThread:
+    """Runs bucket all-reduces in submission order, off the training thread (and, on CUDA, on a
+    stream of its own). One thread for the whole run; a job that fails makes the rest of the
+    step's jobs be skipped and its exception is raised by the next flush()."""
+
+    def __init__(self, run, device: torch.device):
+        self._run, self.device = run, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.done_event = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ddp_lab-comm", daemon=True)
+        self._thread.start()
+
+    def submit(self, bucket: int, ready_event) -> None:
+        self._jobs.put(("bucket", bucket, ready_event))
+
+    def flush(self) -> None:
+        done = threading.Event()
+        self._jobs.put(("flush", done, None))
+        while not done.wait(1.0):
+            if not self._thread.is_alive():
+                raise RuntimeError("the communication thread died")
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def close(self) -> None:
+        self._jobs.put(("stop", None, None))
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+            ctx = torch.cuda.stream(self.stream)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            while True:
+                kind, arg, ready_event = self._jobs.get()
+                if kind == "stop":
+                    return
+                if kind == "flush":
+                    if self.stream is not None:
+                        self.done_event = torch.cuda.Event()
+                        self.done_event.record(self.stream)
+                    arg.set()
+                    continue
+                if self._error is None:
+                    try:
+                        self._run(arg, ready_event)
+                    except BaseException as e:  # noqa: BLE001 - re-raised in flush()
+                        self._error = e

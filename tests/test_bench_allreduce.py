@@ -1,0 +1,53 @@
+"""python -m ddp_lab.bench.allreduce: a real 2-rank gloo run through torchrun, its rows and files."""
+
+import csv
+import json
+import os
+
+import pytest
+
+from helpers import check, compose_config, python_module, torchrun
+
+COLUMNS = ["algo", "backend", "world_size", "dtype", "bytes", "time_us", "algbw_GBps",
+           "busbw_GBps", "wrong"]
+
+
+@pytest.mark.timeout(200)
+def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(tmp_path):
+    proc = torchrun(["max_bytes=32768", "factor=8", "iters=2", "warmup=1",
+                     f"hydra.run.dir={tmp_path}"], module="ddp_lab.bench.allreduce", timeout=180)
+    check(proc)
+    rows = [json.loads(line) for line in open(tmp_path / "allreduce.jsonl")]
+    sizes = [8, 64, 512, 4096, 32768]
+    assert len(rows) == 4 * len(sizes) * 2
+    for r in rows:
+        assert list(r) == COLUMNS  # exactly these keys, in this order: the scaling model reads them
+        assert r["backend"] == "gloo" and r["world_size"] == 2 and r["wrong"] == 0, r
+        assert r["time_us"] > 0 and abs(r["busbw_GBps"] - r["algbw_GBps"]) < 1e-12  # 2(N-1)/N = 1
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+    assert {(r["algo"], r["dtype"], r["bytes"]) for r in rows} == {
+        (a, d, s) for a in ("naive", "ring", "tree", "native") for d in ("float32", "bfloat16")
+        for s in sizes}
+    with open(tmp_path / "allreduce.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert os.path.getsize(tmp_path / "allreduce_busbw.png") > 0
+    assert "busbw_GBps" in proc.stdout and "all results correct" in proc.stdout
+
+
+def test_config_and_size_sweep():
+    from ddp_lab.bench import allreduce
+
+    cfg = compose_config([], config_name="bench/allreduce")
+    assert list(cfg.algos) == ["naive", "ring", "tree", "native"]
+    assert list(cfg.dtypes) == ["float32", "bfloat16"]
+    gloo, nccl = allreduce.sizes(cfg, "gloo"), allreduce.sizes(cfg, "nccl")
+    assert gloo[0] == 8 and gloo[-1] == 128 << 20 and nccl[-1] == 1 << 30
+    assert all(b == a * 2 for a, b in zip(nccl, nccl[1:])) and 64 << 20 in gloo
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_option_is_one_line_and_exit_2(tmp_path):
+    proc = python_module(["algos=[ring,fast]", f"hydra.run.dir={tmp_path}"],
+                         module="ddp_lab.bench.allreduce", timeout=50)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == "error: algos: 'fast' is not one of naive, ring, tree, native"

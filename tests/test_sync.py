@@ -1,0 +1,258 @@
+"""Gradient synchronisers on real gloo process groups (no torchrun), against named references:
+each rank's own gradients averaged with torch's dist.all_reduce; rank 0's initial parameters;
+the documented per-rank byte counts of each algorithm (tests/test_comm.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spawn_helpers import spawn
+from test_comm import expected_bytes_sent
+
+TOL = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 2e-3}  # relative to the largest averaged grad
+
+
+def scfg(name, overlap=True, comm_dtype="fp32", bucket_mb=0.001):
+    return SimpleNamespace(name=name, overlap=overlap, comm_dtype=comm_dtype, bucket_mb=bucket_mb,
+                           bucket_cap_mb=bucket_mb, gradient_as_bucket_view=False,
+                           static_graph=False)
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(5, 5)  # first in parameter order, so in the last bucket
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(4 * 6 * 6, 10), nn.ReLU(), nn.Linear(10, 3))
+
+    def forward(self, x):
+        return self.net(x)  # self.unused is never called: its grad stays None
+
+
+def make_model(seed: int, unused: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    if unused:
+        return WithUnused()
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10),
+                         nn.ReLU(), nn.Linear(10, 3))
+
+
+def batch(rank: int, step: int, micro: int):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def forward_backward(model, sync, rank, step, accum):
+    for micro in range(accum):
+        x, y = batch(rank, step, micro)
+        ctx = sync.no_sync() if micro < accum - 1 else _null()
+        with ctx:
+            loss = nn.functional.cross_entropy(model(x), y) / accum
+            loss.backward()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def reference_grads(rank, n, step, accum, unused=False):
+    """Every rank's own gradients (no sync) averaged with dist.all_reduce: SUM, then / N."""
+    model = make_model(0, unused)
+    for micro in range(accum):
+        x, y = batch(rank, step, micro)
+        (nn.functional.cross_entropy(model(x), y) / accum).backward()
+    out = []
+    for p in model.parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        out.append(g / n)
+    return out
+
+
+def expected_step_bytes(sync, rank, n) -> int:
+    total = 0
+    for b in sync.buckets:
+        elem = b.buffer.element_size()
+        total += expected_bytes_sent(sync.algo, rank, n, b.buffer.numel(), elem)
+    return total
+
+
+def _bucketed_cases(rank, n):
+    from ddp_lab.sync.bucketed import BucketedSync
+
+    report = {}
+    for algo in ("naive", "ring", "tree"):
+        for overlap in (True, False):
+            for comm_dtype in ("fp32", "bf16", "fp16"):
+                model = make_model(seed=rank)  # different on every rank until prepare()
+                sync = BucketedSync(scfg(algo, overlap, comm_dtype), torch.device("cpu"), n)
+                assert sync.prepare(model) is model
+                want = make_model(seed=0)  # rank 0's initial parameters
+                for p, q in zip(model.parameters(), want.parameters()):
+                    assert torch.equal(p, q), "prepare() must broadcast rank 0's parameters"
+                assert len(sync.buckets) >= 3, "the test wants several buckets"
+                # reverse parameter order, and every parameter in exactly one bucket
+                order = [id(p) for b in sync.buckets for p in b.params]
+                assert order == [id(p) for p in reversed(list(model.parameters()))]
+                for step, accum in ((0, 1), (1, 3)):
+                    forward_backward(model, sync, rank, step, accum)
+                    sync.finish()
+                    ref = reference_grads(rank, n, step, accum)
+                    scale = max(r.abs().max().item() for r in ref)
+                    err = max((p.grad - r).abs().max().item()
+                              for p, r in zip(model.parameters(), ref))
+                    key = (algo, overlap, comm_dtype, step)
+                    assert err <= TOL[comm_dtype] * scale, f"{key}: |grad - ref| {err} (scale {scale})"
+                    stats = sync.comm_stats()
+                    # Counted bytes: exactly one step's all-reduces, accumulation or not.
+                    assert sync.bytes_per_step() == expected_step_bytes(sync, rank, n), (key, stats)
+                    if n > 1:
+                        assert stats["comm_busy_ms"] > 0, stats
+                    launched = stats["buckets_launched_in_backward"]
+                    if overlap:  # the first buckets started during backward, not in finish()
+                        assert launched >= len(sync.buckets) - 1, (key, stats)
+                    else:
+                        assert launched == 0, (key, stats)
+                    model.zero_grad(set_to_none=True)
+                report[(algo, overlap, comm_dtype)] = sync.comm_stats()
+                sync.close()
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_bucketed_sync_averages_like_dist_all_reduce(world_size):
+    """naive/ring/tree x overlap on/off x fp32/bf16/fp16, with and without accumulation: grads equal
+    the dist.all_reduce average; bytes counted = one step's documented bytes; overlap launches
+    buckets during backward."""
+    spawn(_bucketed_cases, world_size, timeout=110)
+
+
+def _unused_parameter(rank, n):
+    from ddp_lab.sync.bucketed import BucketedSync
+
+    model = make_model(rank, unused=True)
+    sync = BucketedSync(scfg("ring", True), torch.device("cpu"), n)
+    sync.prepare(model)
+    forward_backward(model, sync, rank, 0, 1)
+    sync.finish()
+    ref = reference_grads(rank, n, 0, 1, unused=True)
+    for p, r in zip(model.parameters(), ref):
+        assert p.grad is not None and torch.allclose(p.grad, r, atol=1e-7, rtol=1e-6)
+    assert torch.equal(model.unused.weight.grad, torch.zeros(5, 5))
+    # Every bucket but the last (which holds the unused parameter) started during backward.
+    return sync.comm_stats()["buckets_launched_in_backward"] == len(sync.buckets) - 1
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_without_gradient_counts_as_zeros():
+    """Its bucket cannot fill during backward; finish() sends it (and all later ones) anyway."""
+    assert all(spawn(_unused_parameter, 2, timeout=50))
+
+
+def _fp16_overflow(rank, n):
+    """Gradients of 49152 and 71680 (exact in fp16 once halved): the average 60416 fits fp16, the
+    sum 120832 does not, and neither does 71680 cast to fp16 before dividing."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from ddp_lab.sync.bucketed import BucketedSync
+    from ddp_lab.sync.ddp import DDPSync
+
+    def run(make_sync, hook=None):
+        model = nn.Linear(4, 1, bias=False)
+        sync = make_sync()
+        wrapped = sync.prepare(model)
+        if hook is not None:
+            wrapped.register_comm_hook(None, hook)
+        c = 49152.0 if rank == 0 else 71680.0
+        (wrapped(torch.ones(1, 4)) * c).sum().backward()
+        sync.finish()
+        return model.weight.grad.clone()
+
+    out = {}
+    for algo in ("naive", "ring", "tree"):
+        out[algo] = run(lambda: BucketedSync(scfg(algo, True, "fp16"), torch.device("cpu"), n))
+    out["ddp"] = run(lambda: DDPSync(scfg("ddp", comm_dtype="fp16"), torch.device("cpu"), n))
+    torch_hook = run(lambda: DDPSync(scfg("ddp"), torch.device("cpu"), n),
+                     default_hooks.fp16_compress_hook)
+    for name, g in out.items():
+        assert torch.equal(g, torch.full((1, 4), 60416.0)), (name, g)
+    return bool(torch.isinf(torch_hook).all())
+
+
+@pytest.mark.timeout(60)
+def test_fp16_compression_divides_before_casting_for_every_sync():
+    """Ours and DDP's (through our comm hook) stay finite; torch's fp16_compress_hook, which casts
+    before dividing, turns the same step into inf (why ddp uses our hook)."""
+    assert spawn(_fp16_overflow, 2, timeout=50) == [True, True]
+
+
+def _ddp_compressed(rank, n):
+    from ddp_lab.sync.ddp import DDPSync
+
+    for comm_dtype in ("bf16", "fp16"):
+        model = make_model(rank)
+        sync = DDPSync(scfg("ddp", comm_dtype=comm_dtype, bucket_mb=25), torch.device("cpu"), n)
+        wrapped = sync.prepare(model)
+        for step, accum in ((0, 1), (1, 2)):
+            forward_backward(wrapped, sync, rank, step, accum)
+            sync.finish()
+            ref = reference_grads(rank, n, step, accum)
+            scale = max(r.abs().max().item() for r in ref)
+            err = max((p.grad - r).abs().max().item() for p, r in zip(model.parameters(), ref))
+            assert 0 < err <= TOL[comm_dtype] * scale, (comm_dtype, step, err, scale)
+            model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.timeout(60)
+def test_ddp_comm_dtype_averages_within_the_dtype_tolerance():
+    """sync=ddp sync.comm_dtype=bf16|fp16 against the fp32 dist.all_reduce average (and not
+    bitwise equal to it: the gradients really travelled in the low dtype)."""
+    spawn(_ddp_compressed, 2, timeout=50)
+
+
+def _comm_thread_error(rank, n):
+    from ddp_lab.sync import bucketed
+
+    model = make_model(0)
+    sync = bucketed.BucketedSync(scfg("ring", True), torch.device("cpu"), n)
+    sync.prepare(model)
+    real = bucketed.comm.all_reduce
+
+    def broken(tensor, algo, group=None):
+        raise bucketed.comm.CommError("ring all-reduce failed at step 0 (injected)")
+
+    bucketed.comm.all_reduce = broken
+    forward_backward(model, sync, rank, 0, 1)  # the failure happens in the thread, quietly...
+    with pytest.raises(bucketed.comm.CommError, match="injected"):
+        sync.finish()  # ... and surfaces here, on the training thread
+    bucketed.comm.all_reduce = real
+    model.zero_grad(set_to_none=True)
+    forward_backward(model, sync, rank, 1, 1)
+    sync.finish()  # the thread lives on for the next step
+    return True
+
+
+@pytest.mark.timeout(30)
+def test_a_failure_in_the_comm_thread_is_raised_by_finish():
+    assert spawn(_comm_thread_error, 1, timeout=25) == [True]
+
+
+def test_sync_configs_compose():
+    from helpers import compose_config
+
+    from ddp_lab.config import validate
+
+    for name in ("naive", "ring", "tree"):
+        cfg = compose_config([f"sync={name}", "sync.overlap=false", "sync.comm_dtype=bf16"])
+        validate(cfg)
+        assert cfg.sync.name == name and cfg.sync.overlap is False and cfg.sync.bucket_mb == 25
