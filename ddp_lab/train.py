@@ -15,7 +15,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -147,6 +149,7 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
     bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                disable=None if info.is_main and tcfg.progress else True, file=sys.stderr)
     timer = StepTimer(device, warmup=tcfg.timing_warmup)
+    comm_busy: list[float] = []  # per timed step, from the sync
     val_loss = val_acc = float("nan")
     loss_window = torch.zeros((), device=device)
     window_steps = 0  # steps whose loss is in loss_window
@@ -186,6 +189,8 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
         scheduler.step()
         timer.mark("optim")
         timer.end_step()
+        if step - start_step >= tcfg.timing_warmup:
+            comm_busy.append(sync.comm_busy_ms())  # NaN where the sync cannot measure it
         window_steps += 1
         clock_steps += 1
         bar.update(1)
@@ -242,6 +247,9 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
 
     timing = timer.summary()
     time_ms = {k[:-3]: v for k, v in timing.items() if k.endswith("_ms")}
+    busy = [b for b in comm_busy if not math.isnan(b)]
+    if busy:  # time the all-reduces were in flight, overlapped or not (our syncs only)
+        time_ms["comm_busy"] = statistics.median(busy)
     if local_backward_ms is not None and time_ms:
         local = local_backward_ms * tcfg.accum_steps
         time_ms["backward_local"] = local
@@ -266,6 +274,7 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
         "rank_step_ms": rank_step_ms,
         "rank_param_digests": digests,
         "comm_bytes_per_step": sync.bytes_per_step(),
+        "comm": sync.comm_stats(),
         "parameters": sum(p.numel() for p in model.parameters()),
         **checks.summary(),
     }
