@@ -255,9 +255,10 @@ class BucketedSync(GradSync):
         return int(self._last["bytes_per_step"])
 
     def comm_busy_ms(self) -> float:
-        """Milliseconds spent inside all-reduce calls in the last synchronised step."""
+        """Milliseconds spent inside all-reduce calls in the last synchronised step. On CUDA the
+        latest step whose events have completed (never a host sync: the loop asks every step)."""
         if self.cuda:
-            self._resolve_busy(block=True)
+            self._resolve_busy(block=False)
             return getattr(self, "_last_busy_ms", float("nan"))
         return self._last["comm_busy_ms"]
 
