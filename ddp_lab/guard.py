@@ -1,12 +1,13 @@
 """Guards around the training step: non-finite policy, cross-rank consistency, hang diagnosis.
 
-* Non-finite loss or gradients. fp16 has its GradScaler: it sees the averaged gradients, so every
-  rank skips the same steps (and halves the scale); the guard only counts and logs them. fp32 and
-  bf16 have no scaler, so the guard checks the loss and the synchronised gradients, all-reduces a
-  flag (ranks decide together, never alone), then `train.nonfinite=skip` drops the step on every
-  rank (gradients set to None, so the optimizer leaves parameters, momentum and weight decay
-  alone) and `stop` raises `NonFiniteError`. `assert_finite` is the last line before a checkpoint:
-  a NaN never reaches one.
+* Non-finite loss or gradients. Each step the guard all-reduces a per-rank [loss, gradients]
+  flag (ranks decide together, never alone) and leaves it on the device: a fused optimizer (the
+  default) skips the update itself through its `found_inf` input, the mechanism GradScaler uses,
+  so parameters, momentum and weight decay are untouched and the host never waits. fp16's
+  GradScaler skips on its own (it sees the averaged gradients, so every rank skips alike). The
+  verdicts are read at sync points (log steps, checkpoints, the end): `train.nonfinite=skip`
+  logs and counts the skipped steps, `stop` raises `NonFiniteError` naming the step and ranks.
+  `assert_finite` is the last line before a checkpoint: a NaN never reaches one.
 * Replicas. Every `train.consistency_every` steps the ranks compare an exact checksum of their
   parameters (computed on the device, no copy to the host) and a divergence stops training with
   the ranks named.
@@ -149,7 +150,7 @@ class Guard:
         self.last_step = total_steps
         self.skipped: list[int] = []
         self.checks = 0
-        self._scale_before = None
+        self._pending: list[list] = []  # [step, flags, scale before, scale after]
         self._store = _store() if info.world_size > 1 else None
         _progress["sync"] = sync_name
 
@@ -161,10 +162,9 @@ class Guard:
             self._store.set(_heartbeat_key(self.info.rank), str(step))
 
     def after_sync(self, step: int, loss: torch.Tensor, optimizer) -> None:
-        """Between the gradient sync and the optimizer step."""
-        if self.scaler.is_enabled():  # fp16: the scaler skips; remember its scale to count that
-            self._scale_before = self.scaler.get_scale()
-            return
+        """Between the gradient sync and the optimizer step. No host sync: the all-reduced flag
+        stays on the device and a fused optimizer skips the update itself (its `found_inf`, the
+        mechanism GradScaler uses); the verdict is read later, at a sync point (resolve)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # [loss, gradients] x rank, each rank filling its own column: all ranks decide together
         # and the message can say where the inf/NaN came from.
@@ -174,33 +174,53 @@ class Guard:
             flags[1, self.info.rank] = (~torch.stack([torch.isfinite(g).all()
                                                       for g in grads]).all()).float()
         dist.all_reduce(flags)
-        if not flags.any().item():
-            return
-        where = "; ".join(f"non-finite {what} on rank(s) {row.nonzero().flatten().tolist()}"
-                          for what, row in zip(("loss", "gradients"), flags) if row.any())
-        if self.policy == "stop":
-            raise NonFiniteError(
-                f"step {step}: {where}; stopping (train.nonfinite=stop). The last checkpoint "
-                "holds no NaN; train.nonfinite=skip drops such steps on every rank instead")
-        optimizer.zero_grad(set_to_none=True)  # no gradients: the optimizer step is a no-op
-        self.skipped.append(step)
-        log.warning("step %d: %s; step skipped on every rank (train.nonfinite=skip, %d skipped so "
-                    "far)", step, where, len(self.skipped))
+        scale = None
+        if self.scaler.is_enabled():
+            # fp16: the scaler skips by itself; keep its scale (a device tensor) to report it.
+            scale = self.scaler._scale.clone()  # noqa: SLF001 - get_scale() would sync the host
+        elif optimizer.defaults.get("fused") and optimizer.state:
+            optimizer.found_inf = (flags.amax() > 0).float()
+        elif flags.any().item():
+            # Unfused optimizer, or the very first step (fused SGD would leave its new momentum
+            # buffers uninitialised when skipped): decide on the host now.
+            optimizer.zero_grad(set_to_none=True)  # no gradients: the optimizer step is a no-op
+        self._pending.append([step, flags, scale, None])
 
-    def end_step(self, step: int) -> bool:
-        """After the optimizer step: count fp16 skips, compare replicas every N steps (returns
-        whether it did: that time is not step time)."""
-        if self._scale_before is not None:
-            after = self.scaler.get_scale()
-            if after < self._scale_before:
-                self.skipped.append(step)
-                log.info("step %d: GradScaler found inf/NaN gradients, step skipped on every "
-                         "rank, loss scale %g -> %g", step, self._scale_before, after)
-            self._scale_before = None
+    def end_step(self, step: int, sync_point: bool) -> bool:
+        """After the optimizer step. At a sync point (log step, checkpoint, end) read the
+        pending verdicts; every `train.consistency_every` steps compare replicas. Returns whether
+        it compared (that time is not step time)."""
+        if self._pending and self._pending[-1][0] == step and self.scaler.is_enabled():
+            self._pending[-1][3] = self.scaler._scale.clone()  # noqa: SLF001 - as above
+        if sync_point:
+            self.resolve()
         if self.every and (step % self.every == 0 or step == self.last_step):
             self.check_replicas(step)
             return True
         return False
+
+    def resolve(self) -> None:
+        """Read the flags of the steps since the last call (one host sync for all of them)."""
+        pending, self._pending = self._pending, []
+        for step, flags, before, after in pending:
+            if self.scaler.is_enabled():
+                if after is not None and after.item() < before.item():
+                    self.skipped.append(step)
+                    log.info("step %d: GradScaler found inf/NaN gradients, step skipped on every "
+                             "rank, loss scale %g -> %g", step, before.item(), after.item())
+                continue
+            if not flags.any().item():
+                continue
+            where = "; ".join(f"non-finite {what} on rank(s) {row.nonzero().flatten().tolist()}"
+                              for what, row in zip(("loss", "gradients"), flags) if row.any())
+            if self.policy == "stop":
+                raise NonFiniteError(
+                    f"step {step}: {where}; stopping (train.nonfinite=stop). The step was not "
+                    "applied and the last checkpoint holds no NaN; train.nonfinite=skip drops "
+                    "such steps on every rank instead")
+            self.skipped.append(step)
+            log.warning("step %d: %s; step skipped on every rank (train.nonfinite=skip, %d "
+                        "skipped so far)", step, where, len(self.skipped))
 
     def check_replicas(self, step: int) -> None:
         """Collective: every rank's parameter checksum; a difference stops training."""
@@ -224,6 +244,7 @@ class Guard:
 
     def summary(self) -> dict:
         """Collective: per-rank skipped steps (they must agree) for summary.json."""
+        self.resolve()
         every = [None] * self.info.world_size
         dist.all_gather_object(every, self.skipped)
         return {"nonfinite_skipped_steps": len(self.skipped),

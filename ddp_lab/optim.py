@@ -7,16 +7,15 @@ import math
 
 import torch
 
-from ddp_lab.config import ConfigError
 
 
 def _impl_kwargs(impl: str, device: torch.device) -> dict:
-    if impl == "auto":
-        # fused kernels exist for CUDA (and CPU in recent torch); foreach is the portable default.
-        return {"fused": True} if device.type == "cuda" else {}
-    if impl == "fused" and device.type != "cuda":
-        raise ConfigError("optim.impl=fused needs a CUDA device here; use optim.impl=auto or foreach")
-    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+    if impl in ("auto", "fused"):
+        # Fused SGD/AdamW kernels exist for CUDA and CPU (torch >= 2.4). They also take a
+        # device-side `found_inf` flag, which lets the guard skip a non-finite step without a
+        # host sync (ddp_lab.guard).
+        return {"fused": True}
+    return {"fused": False, "foreach": impl == "foreach"}
 
 
 def build_optimizer(ocfg, params, device: torch.device) -> torch.optim.Optimizer:

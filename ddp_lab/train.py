@@ -228,7 +228,8 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
         checkpoint_now = done == stop_step or (
             tcfg.checkpoint_every and done % tcfg.checkpoint_every == 0) or (
             not tcfg.checkpoint_every and end_of_epoch)
-        checked = checks.end_step(done)  # count scaler skips; compare replicas every N steps
+        # Non-finite verdicts are read where the host syncs anyway: log steps, checkpoints, end.
+        checked = checks.end_step(done, sync_point=(done % tcfg.log_every == 0 or checkpoint_now))
         if checkpoint_now:
             save_checkpoint(done)
         if eval_now or checkpoint_now or checked:
