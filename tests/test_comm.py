@@ -372,4 +372,5 @@ def test_a_silent_peer_fails_at_the_group_timeout():
     for r in (results[0], results[2]):
         assert r["error"] and "ring all-reduce failed at step 0" in r["error"], r
         assert "rank 1" in r["error"] and "Timed out" in r["error"], r
-        assert 1.5 < r["seconds"] < 10, r
+        waited = r["seconds"]  # about the 2 s group timeout: not at once, and not a hang
+        assert waited > 1.5 and waited < 10, r
