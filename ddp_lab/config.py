@@ -25,6 +25,9 @@ class ModelConfig:
     image_size: int = MISSING  # the input resolution the architecture is built for
     default_classes: int = MISSING  # classes for data without labels of its own (synthetic)
     dropout: float = 0.5  # 0 turns dropout off
+    # How the first convolution is computed: standard | space_to_depth (same parameters and
+    # function, a stride-1 conv over the space-to-depth image: ddp_lab/models/stem.py)
+    stem: str = "standard"
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Config:
 
 CHOICES = {
     "model.name": ("alexnet", "alexnet_cifar"),
+    "model.stem": ("standard", "space_to_depth"),
     "data.name": ("digits", "synthetic", "cifar10", "imagefolder"),
     "sync.name": ("none", "ddp", "naive", "ring", "tree"),
     "sync.comm_dtype": ("fp32", "bf16", "fp16"),

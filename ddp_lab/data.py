@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddp_lab.config import ConfigError
+from ddp_lab.precision import AUTOCAST_DTYPES
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -75,12 +76,19 @@ class TensorImages:
 class SyntheticImages:
     """Random images made on the device: a pool of `pool_size` distinct images, sample i is pool
     image i % pool_size with label hash(i) % num_classes. Any length, any resolution, no I/O: the
-    benchmark source."""
+    benchmark source.
+
+    The pool is drawn in `dtype`, the loop's compute dtype under autocast: random images have no
+    truer fp32 values, the first convolution would cast them to that dtype anyway, and a batch
+    then costs half the bytes to index and no cast. Labels are computed once, so a batch is
+    three indexing ops: a small model's step is bounded by how fast the host issues ops."""
 
     def __init__(self, length: int, image_size: int, num_classes: int, pool_size: int, seed: int,
-                 device):
+                 device, dtype: torch.dtype = torch.float32):
         gen = torch.Generator(device=device).manual_seed(seed)
-        self.pool = torch.randn(pool_size, 3, image_size, image_size, generator=gen, device=device)
+        self.pool = torch.randn(pool_size, 3, image_size, image_size, generator=gen,
+                                device=device).to(dtype)
+        self.labels = sample_hash(torch.arange(length, device=device), seed) % num_classes
         self.length, self.num_classes, self.seed = length, num_classes, seed
 
     def __len__(self) -> int:
@@ -90,8 +98,7 @@ class SyntheticImages:
         self.pool = self.pool.contiguous(memory_format=torch.channels_last)
 
     def fetch(self, idx: torch.Tensor, augment_keys: tuple | None = None):
-        labels = sample_hash(idx, self.seed) % self.num_classes
-        return self.pool[idx % len(self.pool)], labels
+        return self.pool[idx % len(self.pool)], self.labels[idx]
 
 
 def random_crop_flip(x: torch.Tensor, idx: torch.Tensor, keys: tuple, pad: int = 4) -> torch.Tensor:
@@ -207,7 +214,12 @@ class DeviceBatches(BatchStream):
 
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         where = self.dataset.labels.device if isinstance(self.dataset, TensorImages) else self.device
-        idx = torch.as_tensor(self.indices_for_epoch(epoch), dtype=torch.int64).to(where)
+        idx = torch.as_tensor(self.indices_for_epoch(epoch), dtype=torch.int64)
+        if torch.device(where).type == "cuda":
+            # From pinned memory the copy is queued like a kernel; from pageable memory it would
+            # wait for every queued step to finish first, draining the GPU at each epoch start.
+            idx = idx.pin_memory()
+        idx = idx.to(where, non_blocking=True)
         keys = None if self.augment_seed is None else (self.augment_seed, epoch)
         for b in range(start_batch, self.num_batches(epoch)):
             x, y = self.dataset.fetch(idx[b * self.batch_size:(b + 1) * self.batch_size], keys)
@@ -248,10 +260,11 @@ def build_data(cfg, rank: int, world_size: int, device) -> Data:
     elif d.name == "cifar10":
         train_set, val_set = load_cifar10(d.root, d.download, d.image_size)
     elif d.name == "synthetic":
+        dtype = AUTOCAST_DTYPES[cfg.precision.autocast_dtype] or torch.float32
         train_set = SyntheticImages(d.num_samples, d.image_size, d.num_classes, d.pool_size,
-                                    cfg.seed, device)
+                                    cfg.seed, device, dtype)
         val_set = SyntheticImages(d.val_samples, d.image_size, d.num_classes, d.pool_size,
-                                  cfg.seed + 1, device)
+                                  cfg.seed + 1, device, dtype)
     else:
         train_set, val_set = load_imagefolder(d.root, d.image_size, d.augment, cfg.seed)
 

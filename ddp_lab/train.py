@@ -69,7 +69,7 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
     # Same seed everywhere for the initial weights (rank 0's are broadcast anyway) ...
     torch.manual_seed(cfg.seed)
     data = build_data(cfg, info.rank, info.world_size, device)
-    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout)
+    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout, cfg.model.stem)
     memory_format = torch.channels_last if tcfg.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
     # ... then a different stream per rank, so dropout masks differ between ranks.

@@ -105,3 +105,21 @@ def test_imagefolder_reads_class_folders(tmp_path):
     x, y = next(d.train.epoch(0))
     assert x.shape == (4, 3, 32, 32)
     assert torch.equal(x, next(d.train.epoch(0))[0])  # seeded augmentation: same per epoch
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                             ("fp16", torch.float16)])
+def test_synthetic_images_come_in_the_compute_dtype_with_hashed_labels(precision, dtype):
+    from ddp_lab.data import sample_hash
+
+    cfg = compose_config(["data=synthetic", "data.num_samples=300", f"precision={precision}",
+                          "train.batch_size=16"])
+    d = build_data(cfg, 0, 1, torch.device("cpu"))
+    ref = build_data(compose_config(["data=synthetic", "data.num_samples=300",
+                                     "train.batch_size=16"]), 0, 1, torch.device("cpu"))
+    (x, y), (x32, y32) = next(d.train.epoch(0)), next(ref.train.epoch(0))
+    assert x.dtype == dtype and x32.dtype == torch.float32
+    # the same images, drawn in fp32 and rounded once, as autocast would round them
+    assert torch.equal(x, x32.to(dtype))
+    idx = torch.as_tensor(list(ref.train.indices_for_epoch(0))[:16])
+    assert torch.equal(y, y32) and torch.equal(y, sample_hash(idx, cfg.seed) % d.num_classes)

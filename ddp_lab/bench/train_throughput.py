@@ -48,6 +48,7 @@ from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.common import plot_lines, report, resolve_device, sync, write_info, write_rows
 from ddp_lab.config import ConfigError
+from ddp_lab.precision import AUTOCAST_DTYPES
 
 
 @dataclass
@@ -68,7 +69,9 @@ class TrainThroughputConfig:
     cpu_steps: int = 5
     cpu_warmup: int = 2
     repeats: int = 1  # alternate bare/ddp this many times per row; medians reported
-    ddp_overrides: list[str] = field(default_factory=list)  # extra overrides for the ddp_lab side
+    # Extra overrides of the composed config. The ddp_lab loop runs it; the bare loop takes its
+    # model (model.stem too), precision and optimizer values from it.
+    ddp_overrides: list[str] = field(default_factory=list)
     seed: int = 0
     predict_memory: bool = True
     gemm_results: str = ""  # a gemm.jsonl from ddp_lab.bench.gemm: measured peaks for mfu_gemm
@@ -118,9 +121,6 @@ def row_overrides(model: str, precision: str, channels_last: bool, compile_: boo
 
 # ---- the bare reference loop -------------------------------------------------------------------
 
-AUTOCAST = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 def make_bare_step(cfg, device: torch.device, compile_: bool):
     """The whole reference training step, from the composed config's values (so both loops use
     the same model, dropout, precision flags and optimizer hyper-parameters). Returns (step, batch)."""
@@ -132,17 +132,18 @@ def make_bare_step(cfg, device: torch.device, compile_: bool):
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     fmt = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     classes, size, batch = cfg.model.default_classes, cfg.model.image_size, cfg.train.batch_size
-    model = build_model(cfg.model.name, classes, cfg.model.dropout).to(device, memory_format=fmt)
+    model = build_model(cfg.model.name, classes, cfg.model.dropout,
+                        cfg.model.stem).to(device, memory_format=fmt)
     o = cfg.optim
     opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
                           weight_decay=o.weight_decay,
                           **({"fused": True} if device.type == "cuda" else {}))
-    amp_dtype = AUTOCAST[cfg.precision.autocast_dtype]
+    amp_dtype = AUTOCAST_DTYPES[cfg.precision.autocast_dtype]
     scaler = torch.amp.GradScaler(device.type, init_scale=cfg.precision.init_scale,
                                   enabled=cfg.precision.grad_scaler)
     if compile_:
         torch._dynamo.reset()  # each compiled model starts fresh (no cache-limit fallback to eager)
-    fwd = torch.compile(model) if compile_ else model
+    fwd = torch.compile(model, mode=cfg.train.compile_mode) if compile_ else model
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
     y = torch.randint(0, classes, (batch,), device=device)
 
@@ -340,7 +341,8 @@ def run(cfg, run_dir: str) -> list[dict]:
                     ddps.append(ddp_loop(tcfg, os.path.join(run_dir, "ddp_lab", f"{name}_r{rep}"),
                                          cfg.keep_checkpoints))
         med = lambda xs, k: statistics.median(x[k] for x in xs)
-        row = {"model": model, "precision": precision, "channels_last": cl, "compile": comp,
+        row = {"model": model, "stem": tcfg.model.stem, "precision": precision,
+               "channels_last": cl, "compile": comp,
                "batch": batch, "steps": steps,
                "ddp_img_s": med(ddps, "img_s"), "bare_img_s": med(bares, "img_s")}
         row["ratio"] = row["ddp_img_s"] / row["bare_img_s"]
@@ -385,7 +387,7 @@ def run(cfg, run_dir: str) -> list[dict]:
                 notes.append(f"bf16 + channels_last vs fp32 (compile={r['compile']}, batch "
                              f"{r['batch']}): {r['ddp_img_s'] / fp32[(r['compile'], r['batch'])]:.2f}x "
                              "(target >= 3x)")
-    cols = ["precision", "channels_last", "compile", "batch", "ddp_img_s", "bare_img_s", "ratio",
+    cols = ["stem", "precision", "channels_last", "compile", "batch", "ddp_img_s", "bare_img_s", "ratio",
             "ratio_med", "ddp_step_ms", "ddp_tflops", "mfu_sheet", "mfu_gemm", "pred_mem_gb",
             "peak_mem_gb", "ok"]
     if combos:

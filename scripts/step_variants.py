@@ -1,0 +1,239 @@
+"""Where a training step's time goes: variants of one bare AlexNet step, timed side by side.
+
+    python scripts/step_variants.py [--net alexnet] [--batch 256] [--steps 50] [--only a,b] [--smoke]
+
+Each variant is the reference step (autocast forward, backward, fused SGD, zero_grad) with one
+thing changed or added; the table gives img/s and the ratio to the first (eager) row. "+loop"
+variants add, one at a time, the per-step work the ddp_lab loop does on top of the reference
+(pool indexing of synthetic data, the non-finite guard, step-timer events, loss bookkeeping, the
+LR scheduler), so the loop's overhead can be attributed. `--smoke` runs a tiny CPU version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ddp_lab.data import SyntheticImages  # noqa: E402
+from ddp_lab.guard import Guard  # noqa: E402
+from ddp_lab.metrics import StepTimer  # noqa: E402
+from ddp_lab.models import build_model  # noqa: E402
+
+
+def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit=None,
+          graph=False, stem="standard"):
+    """One training step as a closure. `extras` adds the ddp_lab loop's own per-step pieces (the
+    real classes, not copies): data (SyntheticImages indexing), guard (Guard.after_sync and
+    end_step), events (StepTimer marks), loss (loss bookkeeping), sched (LambdaLR)."""
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    if cudnn_limit is not None:
+        torch.backends.cudnn.benchmark_limit = cudnn_limit
+    size, classes = (224, 1000) if net == "alexnet" else (32, 10)
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    model = build_model(net, classes, 0.5, stem).to(device, memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, fused=True)
+    fwd = model
+    if compile_mode:
+        torch._dynamo.reset()
+        fwd = torch.compile(model, mode=compile_mode)
+    x0 = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
+    y0 = torch.randint(0, classes, (batch,), device=device)
+    images = SyntheticImages(50_000, size, classes, 256, 0, device, amp or torch.float32)
+    images.to_channels_last() if cl else None
+    perm = torch.randperm(50_000, device=device)
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0)
+    info = SimpleNamespace(rank=0, world_size=1)
+    checks = Guard(tcfg, "none", info, model, torch.amp.GradScaler(enabled=False), 10**9)
+    timer = StepTimer(device, warmup=10**9)  # marks only: what they cost, not what they say
+    timer.restart()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 1e6)
+    loss_window = torch.zeros((), device=device)
+    state = {"i": 0}
+
+    def data():
+        if "data" not in extras:
+            return x0, y0
+        i = state["i"] = (state["i"] + 1) % (50_000 // batch)
+        return images.fetch(perm[i * batch:(i + 1) * batch])
+
+    def mark(phase):
+        if "events" in extras:
+            timer.mark(phase)
+
+    def step():
+        nonlocal loss_window
+        x, y = data()
+        mark("data")
+        with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
+            loss = F.cross_entropy(fwd(x), y)
+        mark("forward")
+        loss.backward()
+        mark("backward")
+        if "guard" in extras:
+            checks.after_sync(state["i"], loss, opt)
+        mark("comm")
+        opt.step()
+        opt.zero_grad(set_to_none=not graph)
+        if "sched" in extras:
+            sched.step()
+        mark("optim")
+        if "events" in extras:
+            timer.end_step()
+        if "guard" in extras:
+            checks.end_step(state["i"], sync_point=False)
+        if "loss" in extras:
+            loss_window += loss.detach()
+        return loss.detach()
+
+    if not graph:
+        return step
+    # Whole-step CUDA graph (forward, backward, optimizer): warm up on a side stream, capture once.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+
+    def replay():
+        g.replay()
+        return out
+
+    return replay
+
+
+def time_steps(step, device, steps, warmup):
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        ev[0].record()
+        for i in range(steps):
+            loss = step()
+            ev[i + 1].record()
+        ev[-1].synchronize()
+        times = [a.elapsed_time(b) for a, b in zip(ev, ev[1:])]
+    else:
+        t = [time.perf_counter()]
+        for _ in range(steps):
+            loss = step()
+            t.append(time.perf_counter())
+        times = [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+    assert torch.isfinite(loss).all(), "non-finite loss"
+    return sum(times), statistics.median(times)
+
+
+def profile_top(step, device, k=15):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    tot = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            tot[e.name] = tot.get(e.name, 0) + e.time_range.elapsed_us()
+    all_us = sum(tot.values())
+    print(f"profile: {all_us / 5 / 1e3:.2f} ms kernel time per step, {len(tot)} kernels")
+    for name, us in sorted(tot.items(), key=lambda kv: -kv[1])[:k]:
+        print(f"  {us / 5 / 1e3:7.3f} ms {100 * us / all_us:5.1f}%  {name[:120]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--net", default="alexnet")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
+    if a.smoke:
+        a.net, a.batch, a.steps, a.warmup = "alexnet_cifar", 8, 2, 1
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    bf16, fp16 = torch.bfloat16, torch.float16
+    loop = ("data", "guard", "events", "loss", "sched")
+    s2d = dict(stem="space_to_depth")
+    variants = {
+        "eager bf16 cl": dict(amp=bf16, cl=True),
+        "eager bf16 cl s2d": dict(amp=bf16, cl=True, **s2d),
+        **{f"+loop {e}": dict(amp=bf16, cl=True, extras=(e,)) for e in loop},
+        "+loop all": dict(amp=bf16, cl=True, extras=loop),
+        "eager bf16 cl s2d +loop all": dict(amp=bf16, cl=True, extras=loop, **s2d),
+        "eager bf16 cl s2d graph": dict(amp=bf16, cl=True, graph=True, **s2d),
+        "compile bf16 cl": dict(amp=bf16, cl=True, compile_mode="default"),
+        "compile bf16 cl +loop all": dict(amp=bf16, cl=True, compile_mode="default", extras=loop),
+        "compile bf16 cl s2d": dict(amp=bf16, cl=True, compile_mode="default", **s2d),
+        "compile bf16 cl s2d +loop all": dict(amp=bf16, cl=True, compile_mode="default",
+                                              extras=loop, **s2d),
+        "compile fp16 cl s2d": dict(amp=fp16, cl=True, compile_mode="default", **s2d),
+        "compile bf16 cl s2d graph": dict(amp=bf16, cl=True, compile_mode="default", graph=True,
+                                          **s2d),
+    }
+    if a.only:
+        keep = a.only.split(",")
+        variants = {k: v for k, v in variants.items() if any(s in k for s in keep)}
+    if device.type == "cpu":
+        variants = {k: v for k, v in variants.items() if "graph" not in k and "fp16" not in k}
+    rows = []
+    for name, kw in variants.items():
+        t0 = time.perf_counter()
+        try:
+            step = build(a.net, a.batch, device, **kw)
+            total_ms, med_ms = time_steps(step, device, a.steps, a.warmup)
+        except Exception as e:  # one failing variant must not cost the others
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append({"variant": name, "error": str(e)[:300]})
+            continue
+        r = {"variant": name, "img_s": a.batch * a.steps / total_ms * 1e3,
+             "img_s_med": a.batch / med_ms * 1e3, "step_ms_med": med_ms,
+             "wall_s": time.perf_counter() - t0}
+        rows.append(r)
+        with open(os.path.join(a.out, "step_variants.json"), "w") as f:  # a timeout keeps these
+            json.dump({"net": a.net, "batch": a.batch, "steps": a.steps, "rows": rows}, f, indent=1)
+        print(f"{name}: {r['img_s']:.0f} img/s (median step {med_ms:.3f} ms, {r['wall_s']:.0f} s)",
+              flush=True)
+        if a.profile and device.type == "cuda" and name in ("eager bf16 cl s2d", "compile bf16 cl s2d"):
+            profile_top(step, device)
+        del step
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    ref = next((r["img_s"] for r in rows if "img_s" in r), float("nan"))
+    print(f"\n{a.net}, batch {a.batch}, {a.steps} timed steps on {device}")
+    for r in rows:
+        if "img_s" in r:
+            print(f"{r['variant']:40} {r['img_s']:9.0f} img/s  {r['img_s'] / ref:6.3f}  "
+                  f"{r['step_ms_med']:7.3f} ms")
+        else:
+            print(f"{r['variant']:40} failed")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

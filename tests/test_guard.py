@@ -1,0 +1,71 @@
+"""The non-finite guard's per-step check, in one process: which flag an inf/NaN raises, and that
+a flagged step leaves a fused optimizer's parameters and momentum bitwise untouched without the
+host reading the flag."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ddp_lab.guard import Guard, NonFiniteError
+
+
+def setup(policy="skip"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    guard = Guard(SimpleNamespace(nonfinite=policy, consistency_every=0), "none",
+                  SimpleNamespace(rank=0, world_size=1), model,
+                  torch.amp.GradScaler("cpu", enabled=False), total_steps=10)
+    return model, opt, guard
+
+
+def backward(model, poison=None):
+    loss = model(torch.randn(5, 4)).square().mean()
+    loss.backward()
+    if poison == "grad":
+        model[1].bias.grad[0] = float("nan")
+    if poison == "loss":
+        loss = loss.detach() * float("inf")
+    return loss
+
+
+def state(model, opt):
+    return [t.clone() for t in model.parameters()] + [
+        s["momentum_buffer"].clone() for s in opt.state.values()]
+
+
+@pytest.mark.parametrize("poison,row", [(None, None), ("grad", 1), ("loss", 0)])
+def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poison, row):
+    model, opt, guard = setup()
+    backward(model)
+    guard.after_sync(1, torch.tensor(1.0), opt)  # first step: momentum buffers get made
+    opt.step()
+    opt.zero_grad()
+    before = state(model, opt)
+    loss = backward(model, poison)
+    guard.after_sync(2, loss, opt)
+    flags = guard._pending[-1][1]
+    expected = torch.zeros(2, 1)
+    if row is not None:
+        expected[row, 0] = 1
+    assert torch.equal(flags, expected)
+    assert torch.equal(opt.found_inf, flags.amax())  # decided on the device
+    opt.step()
+    after = state(model, opt)
+    same = all(torch.equal(a, b) for a, b in zip(before, after))
+    assert same == (row is not None)
+    guard.end_step(2, sync_point=True)
+    assert guard.skipped == ([] if row is None else [2])
+
+
+def test_stop_policy_raises_at_the_sync_point_naming_the_step():
+    model, opt, guard = setup("stop")
+    backward(model)
+    guard.after_sync(1, torch.tensor(1.0), opt)
+    opt.step()
+    opt.zero_grad()
+    guard.after_sync(2, backward(model, "grad"), opt)
+    guard.end_step(2, sync_point=False)  # not read yet: no host sync between sync points
+    with pytest.raises(NonFiniteError, match="step 2: non-finite gradients on rank"):
+        guard.end_step(3, sync_point=True)
