@@ -31,6 +31,7 @@ declare -A SMOKE_ARGS=(
   [memory_fit]="device=cpu measure_model=alexnet_cifar measure_batch=4 measure_steps=1 measure_precisions=[fp32]"
   [train_cifar]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16]"
   [train_compile]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
+  [train_stem]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
 )
 NEED_CUDA="assert torch.cuda.is_available(), 'no CUDA device'"
 [ -n "${SMOKE:-}" ] && NEED_CUDA="pass"
@@ -78,6 +79,8 @@ step train_cifar 50 train_throughput net=alexnet_cifar precisions=[bf16] channel
   compile=[false] batches=[512,2048] steps=30 warmup=10 "$PEAKS"
 step train_compile 240 train_throughput net=alexnet precisions=[bf16] channels_last=[true] \
   compile=[true] batches=[256] steps=30 warmup=10 "$PEAKS"
+step train_stem 150 train_throughput net=alexnet precisions=[bf16] channels_last=[true] \
+  compile=[false,true] batches=[256] steps=30 warmup=10 'ddp_overrides=["model.stem=space_to_depth"]' "$PEAKS"
 
 echo "total $(( $(date +%s) - T0 )) s"
 "$PY" - "$OUT_DIR" <<'EOF' | tee "$OUT_DIR/summary.txt"
@@ -145,18 +148,20 @@ for a, b, c in lines:
     print(f"{a:<{width}}  {b:<28}  {c}")
 
 tt = load("train_throughput", "train_throughput.jsonl") + load("train_cifar", "train_throughput.jsonl") \
-    + load("train_compile", "train_throughput.jsonl")
+    + load("train_compile", "train_throughput.jsonl") + load("train_stem", "train_throughput.jsonl")
 anchors = {("alexnet", "fp32", False, False, 256): "11.4k", ("alexnet", "tf32", False, False, 256): "21.8k",
            ("alexnet", "fp16", False, False, 256): "27.3k", ("alexnet", "bf16", False, False, 256): "27.9k",
            ("alexnet", "bf16", True, False, 256): "35.6k", ("alexnet", "bf16", True, True, 256): "41.6k",
            ("alexnet_cifar", "bf16", True, False, 512): "121k", ("alexnet_cifar", "bf16", True, False, 2048): "441k"}
 if tt:
-    print("\nmodel          prec  cl  comp  batch  ddp_img/s  bare_img/s  ratio  anchor(bare)  TFLOP/s  MFU(sheet)  MFU(gemm)  mem pred/peak GB")
+    print("\nmodel          stem      prec  cl  comp  batch  ddp_img/s  bare_img/s  ratio  anchor(bare)  TFLOP/s  MFU(sheet)  MFU(gemm)  mem pred/peak GB")
     for r in tt:
         key = (r["model"], r["precision"], r["channels_last"], r["compile"], r["batch"])
-        print(f"{r['model']:<13}  {r['precision']:<4}  {int(r['channels_last']):>2}  {int(r['compile']):>4}  "
+        stem = r.get("stem", "standard")
+        anchor = anchors.get(key, "-") if stem == "standard" else "-"
+        print(f"{r['model']:<13}  {stem[:8]:<8}  {r['precision']:<4}  {int(r['channels_last']):>2}  {int(r['compile']):>4}  "
               f"{r['batch']:>5}  {r['ddp_img_s']:>9.0f}  {r['bare_img_s']:>10.0f}  {r['ratio']:>5.3f}  "
-              f"{anchors.get(key, '-'):>12}  {r['ddp_tflops']:>7.1f}  {f(r['mfu_sheet'], '{:.1%}'):>10}  "
+              f"{anchor:>12}  {r['ddp_tflops']:>7.1f}  {f(r['mfu_sheet'], '{:.1%}'):>10}  "
               f"{f(r['mfu_gemm'], '{:.1%}'):>9}  {f(r.get('pred_mem_gb'), '{:.2f}')}/{f(r.get('peak_mem_gb'), '{:.2f}')}")
 prof = load("profile", "profile_summary.jsonl")
 if prof:
