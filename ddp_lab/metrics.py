@@ -32,6 +32,7 @@ class StepTimer:
         self._pending: list[list[tuple[str, object]]] = []
         self._marks: list[tuple[str, object]] = []
         self._seen = 0
+        self._window_start = 0  # first step of self.steps not yet reported by window()
 
     def _now(self):
         if self.cuda:
@@ -71,16 +72,39 @@ class StepTimer:
             self.steps.append(dict(parts))
             self._pending.pop(0)
 
+    def window(self) -> dict[str, float]:
+        """Median of each phase (ms) over the timed steps finished since the last call; never
+        waits for the GPU (steps still in flight are reported next time)."""
+        self._resolve(block=False)
+        new, self._window_start = self.steps[self._window_start:], len(self.steps)
+        return _medians(new)
+
     def summary(self) -> dict[str, float]:
         """Median of each phase over the timed steps, plus their total wall time."""
         self._resolve(block=True)
         if not self.steps:
             return {}
-        keys = sorted({k for s in self.steps for k in s})
-        out = {f"{k}_ms": statistics.median(s.get(k, 0.0) for s in self.steps) for k in keys}
+        out = {f"{k}_ms": v for k, v in _medians(self.steps).items()}
         out["timed_steps"] = len(self.steps)
         out["timed_total_s"] = sum(s["step"] for s in self.steps) / 1e3
         return out
+
+
+def _medians(steps: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for s in steps for k in s})
+    return {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
+
+
+def with_exposed_comm(phases: dict[str, float], local_backward_ms: float | None,
+                      accum_steps: int) -> dict[str, float]:
+    """`phases` (ms) plus compute and exposed communication where backward without communication
+    was measured: DDP waits for its all-reduces inside backward, our syncs after it, so the
+    exposed part is (backward + comm) - local backward either way."""
+    if local_backward_ms is None or "backward" not in phases:
+        return dict(phases)
+    local = local_backward_ms * accum_steps
+    return {**phases, "backward_local": local, "compute": phases["forward"] + local,
+            "exposed_comm": max(0.0, phases["backward"] + phases.get("comm", 0.0) - local)}
 
 
 class NullLogger:

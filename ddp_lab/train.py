@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from ddp_lab import checkpoint, dist as ddp_dist, fault, guard
 from ddp_lab.config import ConfigError, register_configs, validate
 from ddp_lab.data import build_data
-from ddp_lab.metrics import StepTimer, make_logger
+from ddp_lab.metrics import StepTimer, make_logger, with_exposed_comm
 from ddp_lab.models import build_model
 from ddp_lab.optim import build_optimizer, build_scheduler
 from ddp_lab.precision import setup_precision
@@ -205,6 +205,9 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
                        "throughput/img_per_s": clock_steps * global_batch / elapsed,
                        "time/step_ms": elapsed / clock_steps * 1e3,
                        "train/epoch": done / steps_per_epoch}
+            # The phases' medians over the window (time/step_ms above is its wall clock).
+            phases = with_exposed_comm(timer.window(), local_backward_ms, tcfg.accum_steps)
+            metrics.update({f"time/{k}_ms": v for k, v in phases.items() if k != "step"})
             if precision.scaler.is_enabled():
                 metrics["precision/loss_scale"] = precision.scaler.get_scale()
             logger.log(done, metrics)
@@ -251,11 +254,7 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
     busy = [b for b in comm_busy if not math.isnan(b)]
     if busy:  # time the all-reduces were in flight, overlapped or not (our syncs only)
         time_ms["comm_busy"] = statistics.median(busy)
-    if local_backward_ms is not None and time_ms:
-        local = local_backward_ms * tcfg.accum_steps
-        time_ms["backward_local"] = local
-        time_ms["compute"] = time_ms["forward"] + local
-        time_ms["exposed_comm"] = max(0.0, time_ms["backward"] + time_ms["comm"] - local)
+    time_ms = with_exposed_comm(time_ms, local_backward_ms, tcfg.accum_steps)
     rank_step_ms = _gather_floats(timing.get("step_ms", float("nan")), device)
     digests = [None] * info.world_size  # replicas must be identical: check, don't assume
     dist.all_gather_object(digests, parameter_digest(model))

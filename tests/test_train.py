@@ -68,6 +68,9 @@ def test_outputs_of_a_run(single_process_reference):
     acc = EventAccumulator(str(run))
     acc.Reload()
     assert {"train/loss", "throughput/img_per_s", "val/accuracy"} <= set(acc.Tags()["scalars"])
+    phases = {f"time/{p}_ms" for p in ("data", "forward", "backward", "comm", "optim")}
+    assert phases <= set(acc.Tags()["scalars"])  # the step-time breakdown, per log window
+    assert all(phases <= set(r) for r in rows if "train/loss" in r)
 
 
 def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_reference, tmp_path):

@@ -1,0 +1,58 @@
+"""The step timer's breakdown: phases are contiguous, so each step's parts add up to the step and
+the steps add up to the wall clock; warm-up steps are left out; windows report each step once."""
+
+import time
+
+import pytest
+import torch
+
+from ddp_lab.metrics import StepTimer, with_exposed_comm
+
+
+def run_steps(timer, n, sleeps):
+    for _ in range(n):
+        for phase, s in sleeps.items():
+            time.sleep(s)
+            timer.mark(phase)
+        timer.end_step()
+
+
+def test_parts_add_up_to_the_step_and_steps_to_the_wall_clock():
+    timer = StepTimer(torch.device("cpu"), warmup=2)
+    sleeps = {"data": 0.002, "forward": 0.004, "backward": 0.006, "comm": 0.001, "optim": 0.003}
+    t0 = time.perf_counter()
+    timer.restart()
+    run_steps(timer, 2, sleeps)  # warm-up: not timed
+    t1 = time.perf_counter()
+    run_steps(timer, 5, sleeps)
+    t2 = time.perf_counter()
+    assert len(timer.steps) == 5
+    for step in timer.steps:
+        assert step["step"] == pytest.approx(sum(step[p] for p in sleeps), rel=1e-12)
+        for phase, s in sleeps.items():
+            assert s * 1e3 <= step[phase] < s * 1e3 + 20  # a sleep never returns early
+    summary = timer.summary()
+    # contiguous marks: the timed steps cover the wall clock from the end of warm-up, no gaps
+    assert summary["timed_total_s"] == pytest.approx(t2 - t1, abs=2e-3)
+    assert summary["timed_total_s"] < t2 - t0
+    assert summary["timed_steps"] == 5
+
+
+def test_window_reports_each_timed_step_once():
+    timer = StepTimer(torch.device("cpu"), warmup=1)
+    timer.restart()
+    run_steps(timer, 3, {"forward": 0.001})
+    first = timer.window()
+    assert set(first) == {"forward", "step"}
+    assert timer.window() == {}  # nothing new
+    run_steps(timer, 1, {"forward": 0.02})
+    assert timer.window()["forward"] >= 20  # only the new, slower step
+
+
+def test_exposed_comm_is_what_backward_and_comm_took_beyond_local_backward():
+    phases = {"forward": 2.0, "backward": 5.0, "comm": 1.5, "optim": 0.3}
+    out = with_exposed_comm(phases, local_backward_ms=4.0, accum_steps=1)
+    assert out["exposed_comm"] == pytest.approx(2.5) and out["compute"] == pytest.approx(6.0)
+    assert with_exposed_comm(phases, 7.0, 1)["exposed_comm"] == 0.0  # never negative
+    assert with_exposed_comm(phases, 2.0, 3)["backward_local"] == 6.0  # per micro-step x accum
+    assert with_exposed_comm(phases, None, 1) == phases
