@@ -9,8 +9,9 @@
 # 450 s), so a slow or stuck step costs its own results only; the order puts what the others need
 # (the GEMM peaks, for MFU) first and the slowest (torch.compile) last.
 #
-# Environment: PYTHON (default python3), BUDGET_S. SMOKE=1 runs the same steps on the CPU with
-# tiny sizes (a check of this script and the benchmarks' CPU paths, not a measurement).
+# Environment: PYTHON (default python3), BUDGET_S. ONLY="train_cifar train_stem" runs just those
+# steps (the others are listed as not selected). SMOKE=1 runs the same steps on the CPU with tiny
+# sizes (a check of this script and the benchmarks' CPU paths, not a measurement).
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-outputs/gpu_bench}}
@@ -45,6 +46,9 @@ fi
 # step NAME LIMIT_S MODULE [overrides...]: run one benchmark with hydra.run.dir=OUT_DIR/NAME.
 step() {
   local name=$1 limit=$2 module=$3; shift 3
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+    printf '%s\tnot selected\t0\n' "$name" >> "$OUT_DIR/steps.tsv"; return
+  fi
   local left=$(( BUDGET_S - ($(date +%s) - T0) ))
   (( limit > left )) && limit=$left
   if (( limit < 15 )); then
@@ -168,7 +172,7 @@ if prof:
     print("\ntensor-core share of GPU kernel time (profile, bare loop, batch 256, channels_last):")
     print("  " + ", ".join(f"{p['precision']} {p['tensor_core_pct']:.0f}%" for p in prof))
 steps = [l.rstrip("\n").split("\t") for l in open(os.path.join(out, "steps.tsv"))]
-bad = [s for s in steps if s[1] != "ok"]
+bad = [s for s in steps if s[1] not in ("ok", "not selected")]
 print("\nsteps: " + ", ".join(f"{s[0]} {s[1]} ({s[2]} s)" for s in steps))
 if bad:
     print("NOT OK: " + ", ".join(s[0] for s in bad) + " -> see logs/")

@@ -20,8 +20,11 @@ run bf16        model=alexnet sync=none precision=bf16 train.batch_size=256
 run bf16_cl     model=alexnet sync=none precision=bf16 train.batch_size=256 train.channels_last=true
 run bf16_cl_ddp model=alexnet sync=ddp  precision=bf16 train.batch_size=256 train.channels_last=true
 run bf16_cl_compile model=alexnet sync=none precision=bf16 train.batch_size=256 train.channels_last=true train.compile=true
+run bf16_cl_s2d model=alexnet model.stem=space_to_depth sync=none precision=bf16 train.batch_size=256 train.channels_last=true
+run bf16_cl_s2d_compile model=alexnet model.stem=space_to_depth sync=none precision=bf16 train.batch_size=256 train.channels_last=true train.compile=true
+run bf16_cl_digits model=alexnet data=digits sync=none precision=bf16 train.batch_size=256 train.channels_last=true
 run cifar_synth model=alexnet_cifar sync=none precision=bf16 train.batch_size=512 train.channels_last=true
-run cifar_digits model=alexnet_cifar data=digits sync=none precision=bf16 train.batch_size=512 train.channels_last=true train.max_steps=30
+run cifar_digits model=alexnet_cifar data=digits sync=none precision=bf16 train.batch_size=512 train.channels_last=true
 python3 - "$OUT_DIR" <<'PY'
 import json, os, sys
 out = sys.argv[1]
