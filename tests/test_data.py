@@ -123,3 +123,37 @@ def test_synthetic_images_come_in_the_compute_dtype_with_hashed_labels(precision
     assert torch.equal(x, x32.to(dtype))
     idx = torch.as_tensor(list(ref.train.indices_for_epoch(0))[:16])
     assert torch.equal(y, y32) and torch.equal(y, sample_hash(idx, cfg.seed) % d.num_classes)
+
+
+@pytest.mark.parametrize("image_size", [8, 32, 21])  # digits are 8 px: as is, upsampled, odd
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepared_images_are_bitwise_the_per_batch_normalised_ones(image_size, dtype):
+    per_batch, _ = load_digits(image_size)
+    prepared, _ = load_digits(image_size)
+    prepared.prepare(dtype, chunk=100)  # chunks that do not divide the set
+    idx = torch.tensor([0, 5, 99, 100, 1436, 7])
+    (x, y), (xp, yp) = per_batch.fetch(idx), prepared.fetch(idx)
+    assert xp.dtype == dtype and xp.shape == x.shape == (6, 3, image_size, image_size)
+    # what autocast would hand the first convolution: the fp32 batch rounded once to `dtype`
+    assert torch.equal(xp, x.to(dtype)) and torch.equal(yp, y)
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_digits_are_prepared_in_the_compute_dtype_unless_augmented(augment):
+    cfg = compose_config([f"data.augment={str(augment).lower()}", "precision=bf16",
+                          "train.batch_size=16"])
+    d = build_data(cfg, 0, 1, torch.device("cpu"))
+    assert d.train.dataset.prepared is not augment and d.val.dataset.prepared
+    assert next(d.train.epoch(0))[0].dtype == (torch.float32 if augment else torch.bfloat16)
+    assert next(d.val.epoch(0))[0].dtype == torch.bfloat16
+
+
+def test_sets_too_large_to_prepare_are_normalised_per_batch(monkeypatch):
+    import ddp_lab.data
+
+    ref = build_data(compose_config(["train.batch_size=16"]), 0, 1, torch.device("cpu"))
+    monkeypatch.setattr(ddp_lab.data, "PREPARE_MAX_BYTES", 1437 * 3 * 32 * 32 * 4 - 1)
+    d = build_data(compose_config(["train.batch_size=16"]), 0, 1, torch.device("cpu"))
+    assert ref.train.dataset.prepared and ref.val.dataset.prepared
+    assert not d.train.dataset.prepared and d.val.dataset.prepared  # val: 360 images, fits
+    assert torch.equal(next(d.train.epoch(1))[0], next(ref.train.epoch(1))[0])
