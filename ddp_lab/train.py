@@ -172,7 +172,9 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
             last = micro == tcfg.accum_steps - 1
             with (contextlib.nullcontext() if last else sync.no_sync()):
                 with precision.autocast():
-                    loss = F.cross_entropy(train_model(x), y) / tcfg.accum_steps
+                    loss = F.cross_entropy(train_model(x), y)
+                if tcfg.accum_steps > 1:  # (one op fewer otherwise: small models are host-bound)
+                    loss = loss / tcfg.accum_steps
                 timer.mark("forward")
                 precision.scaler.scale(loss).backward()  # the last micro-step starts bucket syncs
                 timer.mark("backward")
