@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ddp_lab.bench.common import back_to_back_ms, sync  # noqa: E402
 from ddp_lab.data import SyntheticImages  # noqa: E402
 from ddp_lab.guard import Guard  # noqa: E402
 from ddp_lab.metrics import StepTimer  # noqa: E402
@@ -121,21 +122,8 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
 def time_steps(step, device, steps, warmup):
     for _ in range(warmup):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        ev[0].record()
-        for i in range(steps):
-            loss = step()
-            ev[i + 1].record()
-        ev[-1].synchronize()
-        times = [a.elapsed_time(b) for a, b in zip(ev, ev[1:])]
-    else:
-        t = [time.perf_counter()]
-        for _ in range(steps):
-            loss = step()
-            t.append(time.perf_counter())
-        times = [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+    sync(device)
+    times, loss = back_to_back_ms(step, device, steps)
     assert torch.isfinite(loss).all(), "non-finite loss"
     return sum(times), statistics.median(times)
 

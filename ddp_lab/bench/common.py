@@ -45,6 +45,28 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, warmup: int = 
     return statistics.median(times)
 
 
+def back_to_back_ms(step: Callable[[], object], device: torch.device | str,
+                    steps: int) -> tuple[list[float], object]:
+    """Milliseconds of each of `steps` back-to-back calls of step() and the last call's result,
+    for a training loop: on CUDA one event at each call boundary and no host sync inside (so the
+    host can run ahead, as a real loop does), on CPU the host clock."""
+    device = torch.device(device)
+    result = None
+    if device.type == "cuda":
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for i in range(steps):
+            result = step()
+            marks[i + 1].record()
+        marks[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])], result
+    t = [time.perf_counter()]
+    for _ in range(steps):
+        result = step()
+        t.append(time.perf_counter())
+    return [(b - a) * 1e3 for a, b in zip(t, t[1:])], result
+
+
 def calls_per_sample(fn: Callable[[], object], device: torch.device | str,
                      target_s: float = 1e-3, max_calls: int = 1000) -> int:
     """How many back-to-back calls of fn() make about `target_s` of work (the `inner` of

@@ -38,7 +38,6 @@ import gc
 import itertools
 import os
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -46,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import plot_lines, report, resolve_device, sync, write_info, write_rows
+from ddp_lab.bench.common import (back_to_back_ms, plot_lines, report, resolve_device, sync,
+                                  write_info, write_rows)
 from ddp_lab.config import ConfigError
 from ddp_lab.precision import AUTOCAST_DTYPES
 
@@ -168,21 +168,10 @@ def bare_loop(cfg, device: torch.device, steps: int, warmup: int) -> dict:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        marks[0].record()
-        for i in range(steps):
-            loss = step()
-            marks[i + 1].record()
-        marks[-1].synchronize()
-        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        t = [time.perf_counter()]
-        for _ in range(steps):
-            loss = step()
-            t.append(time.perf_counter())
-        times = [b - a for a, b in zip(t, t[1:])]
-        peak = float("nan")
+    times_ms, loss = back_to_back_ms(step, device, steps)
+    times = [t / 1e3 for t in times_ms]
+    peak = (torch.cuda.max_memory_allocated(device) - base if device.type == "cuda"
+            else float("nan"))
     final_loss = loss.float().item()
     return {"img_s": batch * steps / sum(times), "img_s_med": batch / statistics.median(times),
             "step_ms_med": statistics.median(times) * 1e3, "peak_mem_bytes": peak,
