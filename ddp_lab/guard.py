@@ -1,10 +1,11 @@
 """Guards around the training step: non-finite policy, cross-rank consistency, hang diagnosis.
 
-* Non-finite loss or gradients. Each step the guard all-reduces a per-rank [loss, gradients]
-  flag (ranks decide together, never alone) and leaves it on the device: a fused optimizer (the
-  default) skips the update itself through its `found_inf` input, the mechanism GradScaler uses,
-  so parameters, momentum and weight decay are untouched and the host never waits. fp16's
-  GradScaler skips on its own (it sees the averaged gradients, so every rank skips alike). The
+* Non-finite loss or gradients. Each step the guard checks the loss and the gradients on the
+  device (with more than one rank it all-reduces a per-rank [loss, gradients] flag: ranks decide
+  together, never alone) and leaves the verdict there: a fused optimizer (the default) skips the
+  update itself through its `found_inf` input, the mechanism GradScaler uses, so parameters,
+  momentum and weight decay are untouched and the host never waits. fp16's GradScaler skips on
+  its own (it sees the averaged gradients, so every rank skips alike). The
   verdicts are read at sync points (log steps, checkpoints, the end): `train.nonfinite=skip`
   logs and counts the skipped steps, `stop` raises `NonFiniteError` naming the step and ranks.
   `assert_finite` is the last line before a checkpoint: a NaN never reaches one.
@@ -165,12 +166,18 @@ class Guard:
         """Between the gradient sync and the optimizer step. No host sync: the verdict stays on
         the device and a fused optimizer skips the update itself (its `found_inf`, the mechanism
         GradScaler uses); it is read later, at a sync point (resolve)."""
+        if self.scaler.is_enabled():
+            # fp16: the scaler finds inf/NaN gradients and skips by itself (a non-finite loss
+            # makes them so); keep its scale (a device tensor) to report the skip.
+            scale = self.scaler._scale.clone()  # noqa: SLF001 - get_scale() would sync the host
+            self._pending.append([step, None, None, scale, None])
+            return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         # The L1 norms of the loss and of every gradient in one multi-tensor kernel (one read
         # pass): a norm is inf/NaN iff some element is (or the sum of finite values overflows
         # fp32: skip that too). Few ops on purpose: a small model's step is bounded by how fast
         # the host issues them (each op here cost ~50 us of a 4 ms AlexNet-CIFAR step on the H200).
-        norms = torch.stack(torch._foreach_norm([loss.detach().float(), *grads], 1))
+        norms = torch.stack(torch._foreach_norm([loss.detach(), *grads], 1, dtype=torch.float32))
         if self.info.world_size == 1:
             # 0.0 if the sum is finite, else 1.0 (inf * 0 and NaN * 0 are NaN). Which norm it was
             # is worked out on the host, and only for a flagged step (rank_flags).
@@ -182,24 +189,23 @@ class Guard:
             detail[:, self.info.rank] = ~torch.isfinite(torch.stack([norms[0], norms[1:].sum()]))
             dist.all_reduce(detail)  # columns are disjoint: entries stay 0/1
             found = detail.amax()
-        scale = None
-        if self.scaler.is_enabled():
-            # fp16: the scaler skips by itself; keep its scale (a device tensor) to report it.
-            scale = self.scaler._scale.clone()  # noqa: SLF001 - get_scale() would sync the host
-        elif optimizer.defaults.get("fused") and optimizer.state:
+        if optimizer.defaults.get("fused") and optimizer.state:
             optimizer.found_inf = found  # 1.0 skips the fused update, 0.0 applies it
         elif found.item():
             # Unfused optimizer, or the very first step (fused SGD would leave its new momentum
             # buffers uninitialised when skipped): decide on the host now.
             optimizer.zero_grad(set_to_none=True)  # no gradients: the optimizer step is a no-op
-        self._pending.append([step, found, detail, scale, None])
+        self._pending.append([step, found, detail, None, None])
 
     def rank_flags(self, detail: torch.Tensor) -> torch.Tensor:
         """[loss, gradients] x rank, 1.0 where that rank's loss / gradients were not finite."""
         if detail.dim() == 2:
             return detail
-        bad = ~torch.isfinite(detail)  # world size 1: the norms themselves
-        return torch.stack([bad[0], bad[1:].any()]).float().view(2, 1)
+        # World size 1: the norms themselves, [loss, gradient...]. The verdict came from their
+        # sum, so a sum that overflowed with every norm finite counts against the gradients.
+        bad_loss = ~torch.isfinite(detail[0])
+        bad_grads = ~torch.isfinite(detail[1:].sum()) | (~bad_loss & ~torch.isfinite(detail.sum()))
+        return torch.stack([bad_loss, bad_grads]).float().view(2, 1)
 
     def end_step(self, step: int, sync_point: bool) -> bool:
         """After the optimizer step. At a sync point (log step, checkpoint, end) read the

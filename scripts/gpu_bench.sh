@@ -34,6 +34,10 @@ declare -A SMOKE_ARGS=(
   [train_compile]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
   [train_stem]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
 )
+STEP_NAMES=" gemm train_throughput profile memory vector_add memory_fit train_cifar train_compile train_stem "
+for n in ${ONLY:-}; do
+  [[ "$STEP_NAMES" == *" $n "* ]] || { echo "ONLY: no step named '$n' (steps:$STEP_NAMES)"; exit 2; }
+done
 NEED_CUDA="assert torch.cuda.is_available(), 'no CUDA device'"
 [ -n "${SMOKE:-}" ] && NEED_CUDA="pass"
 if ! "$PY" -c "import torch, hydra, matplotlib, torchvision; $NEED_CUDA" 2>"$OUT_DIR/logs/preflight.log"; then
@@ -70,7 +74,7 @@ GEMM_ROWS="$OUT_DIR/gemm/gemm.jsonl"
 step gemm 90 gemm sizes=[1024,2048,4096,8192] dtypes=[fp32,tf32,fp16,bf16] \
   cpu_sizes=[1024,2048,4096] cpu_dtypes=[fp32,bf16] numpy_compare=true numpy_n=10000 \
   numpy_single_thread_n=2048 plot=true
-[ -f "$GEMM_ROWS" ] && PEAKS="gemm_results=$GEMM_ROWS" || PEAKS="gemm_results="
+grep -q $'^gemm\tok' "$OUT_DIR/steps.tsv" && PEAKS="gemm_results=$GEMM_ROWS" || PEAKS="gemm_results="
 step train_throughput 120 train_throughput net=alexnet precisions=[fp32,tf32,fp16,bf16] \
   channels_last=[false,true] compile=[false] batches=[256] steps=30 warmup=10 "$PEAKS" plot=true
 step profile 60 train_throughput net=alexnet precisions=[fp32,tf32,fp16,bf16] channels_last=[true] \
@@ -94,9 +98,15 @@ out = sys.argv[1]
 nan = float("nan")
 
 
-def load(*parts):
-    path = os.path.join(out, *parts)
-    return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+steps = [l.rstrip("\n").split("\t") for l in open(os.path.join(out, "steps.tsv"))]
+# Steps this run finished or cut short (a timeout keeps the rows written so far); not what an
+# earlier run left in OUT_DIR for steps this one did not run.
+ran = {s[0] for s in steps if s[1] == "ok" or s[1].startswith("timeout")}
+
+
+def load(step, *parts):
+    path = os.path.join(out, step, *parts)
+    return [json.loads(l) for l in open(path)] if step in ran and os.path.exists(path) else []
 
 
 def f(x, fmt="{:.3g}"):
@@ -126,7 +136,8 @@ add("10000^2 numpy dot vs GPU", "120 s vs 0.8 s (150x)",
     f"numpy {f(npt.get('time_s'))} s (1 thread ~{f(np1.get('time_s'))} s), GPU fp64 "
     f"{f(g64.get('time_s'))} s, bf16 {f(gbf.get('time_s'))} s")
 va_info = os.path.join(out, "vector_add", "vector_add_info.json")
-cross = json.load(open(va_info)).get("crossover", {}) if os.path.exists(va_info) else {}
+cross = (json.load(open(va_info)).get("crossover", {})
+         if "vector_add" in ran and os.path.exists(va_info) else {})
 for k in ("gpu kernel only vs cpu (all threads)", "gpu incl. transfer (pageable) vs cpu (all threads)",
           "gpu incl. transfer (pinned) vs cpu (1 thread)"):
     add(f"vector add: {k}", "large vectors only", f"from n = {cross.get(k, '-')}")
@@ -171,7 +182,6 @@ prof = load("profile", "profile_summary.jsonl")
 if prof:
     print("\ntensor-core share of GPU kernel time (profile, bare loop, batch 256, channels_last):")
     print("  " + ", ".join(f"{p['precision']} {p['tensor_core_pct']:.0f}%" for p in prof))
-steps = [l.rstrip("\n").split("\t") for l in open(os.path.join(out, "steps.tsv"))]
 bad = [s for s in steps if s[1] not in ("ok", "not selected")]
 print("\nsteps: " + ", ".join(f"{s[0]} {s[1]} ({s[2]} s)" for s in steps))
 if bad:

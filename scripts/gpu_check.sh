@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# GPU smoke check of the training loop: one short run per setting on synthetic 224 px AlexNet,
-# then a table of img/s and the step-time breakdown from each summary.json.
+# GPU check of the training loop: one short run per setting (224 px AlexNet and AlexNet-CIFAR, on
+# synthetic data and on digits), then a table of img/s and the step-time breakdown from each
+# summary.json. Checkpoints only at the end: digits has a few steps per epoch, and a checkpoint
+# per epoch would drain the GPU's queue every few steps.
 #   scripts/gpu_check.sh [out_dir] [extra overrides...]
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-outputs/gpu_check}}; shift || true
 mkdir -p "$OUT_DIR"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-common="data=synthetic train.max_steps=${STEPS:-60} train.timing_warmup=10 train.eval_every_epochs=0 train.progress=false train.resume=never"
+common="data=synthetic train.max_steps=${STEPS:-60} train.checkpoint_every=${STEPS:-60} train.timing_warmup=10 train.eval_every_epochs=0 train.progress=false train.resume=never"
 run() {  # name, overrides...
   local name=$1; shift
   python3 -m ddp_lab.train $common hydra.run.dir="$OUT_DIR/$name" "$@" "${EXTRA[@]}" > "$OUT_DIR/$name.log" 2>&1 \

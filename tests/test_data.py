@@ -125,12 +125,15 @@ def test_synthetic_images_come_in_the_compute_dtype_with_hashed_labels(precision
     assert torch.equal(y, y32) and torch.equal(y, sample_hash(idx, cfg.seed) % d.num_classes)
 
 
-@pytest.mark.parametrize("image_size", [8, 32, 21])  # digits are 8 px: as is, upsampled, odd
+@pytest.mark.parametrize("image_size", [32, 8, 21])  # digits are stored at 32 px: as is, down, odd
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepared_images_are_bitwise_the_per_batch_normalised_ones(image_size, dtype):
     per_batch, _ = load_digits(image_size)
     prepared, _ = load_digits(image_size)
-    prepared.prepare(dtype, chunk=100)  # chunks that do not divide the set
+    prepared.prepare(dtype, torch.channels_last, chunk=100)  # chunks that do not divide the set
+    assert prepared.images.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="already prepared"):
+        prepared.prepare(dtype)
     idx = torch.tensor([0, 5, 99, 100, 1436, 7])
     (x, y), (xp, yp) = per_batch.fetch(idx), prepared.fetch(idx)
     assert xp.dtype == dtype and xp.shape == x.shape == (6, 3, image_size, image_size)

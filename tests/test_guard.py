@@ -25,6 +25,9 @@ def backward(model, poison=None):
     loss.backward()
     if poison in ("grad", "grad_inf"):
         model[1].bias.grad[0] = float("nan" if poison == "grad" else "-inf")
+    if poison == "overflow":  # every gradient finite, every L1 norm finite, their sum not
+        model[0].weight.grad.fill_(2e37)
+        model[1].weight.grad.fill_(2e37)
     if poison == "loss":
         loss = loss.detach() * float("inf")
     return loss
@@ -35,7 +38,8 @@ def state(model, opt):
         s["momentum_buffer"].clone() for s in opt.state.values()]
 
 
-@pytest.mark.parametrize("poison,row", [(None, None), ("grad", 1), ("grad_inf", 1), ("loss", 0)])
+@pytest.mark.parametrize("poison,row", [(None, None), ("grad", 1), ("grad_inf", 1), ("overflow", 1),
+                                        ("loss", 0)])
 def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poison, row):
     model, opt, guard = setup()
     backward(model)
