@@ -18,6 +18,10 @@ OUT_DIR=${1:-${OUT:-outputs/gpu_bench}}
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-450}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+STEP_NAMES=" gemm train_throughput profile memory vector_add memory_fit train_cifar train_compile train_stem "
+for n in ${ONLY:-}; do
+  [[ "$STEP_NAMES" == *" $n "* ]] || { echo "ONLY: no step named '$n' (steps:$STEP_NAMES)"; exit 2; }
+done
 mkdir -p "$OUT_DIR/logs"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 T0=$(date +%s)
@@ -34,10 +38,6 @@ declare -A SMOKE_ARGS=(
   [train_compile]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
   [train_stem]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
 )
-STEP_NAMES=" gemm train_throughput profile memory vector_add memory_fit train_cifar train_compile train_stem "
-for n in ${ONLY:-}; do
-  [[ "$STEP_NAMES" == *" $n "* ]] || { echo "ONLY: no step named '$n' (steps:$STEP_NAMES)"; exit 2; }
-done
 NEED_CUDA="assert torch.cuda.is_available(), 'no CUDA device'"
 [ -n "${SMOKE:-}" ] && NEED_CUDA="pass"
 if ! "$PY" -c "import torch, hydra, matplotlib, torchvision; $NEED_CUDA" 2>"$OUT_DIR/logs/preflight.log"; then

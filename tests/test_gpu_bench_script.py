@@ -1,0 +1,37 @@
+"""scripts/gpu_bench.sh's own logic on the CPU (SMOKE=1: tiny sizes, not a measurement): ONLY=
+runs the named steps, refuses names it does not know, and the summary shows this run's results,
+not what an earlier run left in the output folder."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO, env
+
+SCRIPT = os.path.join(REPO, "scripts", "gpu_bench.sh")
+
+
+def run_bench(out, **extra):
+    return subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=300,
+                          env=env(PYTHON=sys.executable, SMOKE="1", **extra))
+
+
+def test_an_unknown_step_name_is_refused_before_anything_runs(tmp_path):
+    proc = run_bench(tmp_path, ONLY="train_cifar gemmm")
+    assert proc.returncode == 2
+    assert "no step named 'gemmm'" in proc.stdout and not (tmp_path / "steps.tsv").exists()
+
+
+def test_only_runs_the_named_step_and_the_summary_ignores_stale_results(tmp_path):
+    stale = tmp_path / "train_stem"
+    stale.mkdir()
+    (stale / "train_throughput.jsonl").write_text(json.dumps({"model": "stale_model_row"}) + "\n")
+    proc = run_bench(tmp_path, ONLY="train_cifar")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    steps = dict(line.split("\t")[:2] for line in (tmp_path / "steps.tsv").read_text().splitlines())
+    assert steps.pop("train_cifar") == "ok"
+    assert set(steps.values()) == {"not selected"} and "train_stem" in steps
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "alexnet_cifar" in summary and "stale_model_row" not in summary
+    assert "NOT OK" not in summary
