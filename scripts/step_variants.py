@@ -176,6 +176,12 @@ def main():
         "+loop all": dict(amp=bf16, cl=True, extras=loop),
         "eager bf16 cl s2d +loop all": dict(amp=bf16, cl=True, extras=loop, **s2d),
         "eager bf16 cl s2d graph": dict(amp=bf16, cl=True, graph=True, **s2d),
+        # What a whole-step CUDA graph in the loop could reach: the loop's device-side pieces
+        # captured with the step (timer events cannot be recorded inside a capture; the LR
+        # schedule is host-side Python).
+        "eager bf16 cl graph": dict(amp=bf16, cl=True, graph=True),
+        "eager bf16 cl graph +loop data,guard,loss": dict(amp=bf16, cl=True, graph=True,
+                                                         extras=("data", "guard", "loss")),
         "compile bf16 cl": dict(amp=bf16, cl=True, compile_mode="default"),
         "compile bf16 cl +loop all": dict(amp=bf16, cl=True, compile_mode="default", extras=loop),
         "compile bf16 cl s2d": dict(amp=bf16, cl=True, compile_mode="default", **s2d),
