@@ -18,15 +18,7 @@ OUT_DIR=${1:-${OUT:-outputs/gpu_bench}}
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-450}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STEP_NAMES=" gemm train_throughput profile memory vector_add memory_fit train_cifar train_compile train_stem "
-for n in ${ONLY:-}; do
-  [[ "$STEP_NAMES" == *" $n "* ]] || { echo "ONLY: no step named '$n' (steps:$STEP_NAMES)"; exit 2; }
-done
-mkdir -p "$OUT_DIR/logs"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-T0=$(date +%s)
-: > "$OUT_DIR/steps.tsv"
-
+# Every step, by name, with its tiny CPU arguments for SMOKE=1.
 declare -A SMOKE_ARGS=(
   [gemm]="device=cpu cpu_sizes=[64,128] numpy_n=256 numpy_single_thread_n=128"
   [train_throughput]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[fp32] channels_last=[false]"
@@ -38,6 +30,13 @@ declare -A SMOKE_ARGS=(
   [train_compile]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
   [train_stem]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
 )
+for n in ${ONLY:-}; do
+  [ -n "${SMOKE_ARGS[$n]+set}" ] || { echo "ONLY: no step named '$n' (steps: ${!SMOKE_ARGS[*]})"; exit 2; }
+done
+mkdir -p "$OUT_DIR/logs"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+T0=$(date +%s)
+: > "$OUT_DIR/steps.tsv"
 NEED_CUDA="assert torch.cuda.is_available(), 'no CUDA device'"
 [ -n "${SMOKE:-}" ] && NEED_CUDA="pass"
 if ! "$PY" -c "import torch, hydra, matplotlib, torchvision; $NEED_CUDA" 2>"$OUT_DIR/logs/preflight.log"; then
@@ -59,7 +58,7 @@ step() {
     printf '%-22s skipped (budget spent)\n' "$name"; printf '%s\tskipped\t0\n' "$name" >> "$OUT_DIR/steps.tsv"; return
   fi
   local s=$(date +%s) extra=()
-  [ -n "${SMOKE:-}" ] && read -ra extra <<< "${SMOKE_ARGS[$name]:-device=cpu}"
+  [ -n "${SMOKE:-}" ] && read -ra extra <<< "${SMOKE_ARGS[$name]}"
   timeout --kill-after=10 "$limit" "$PY" -m "ddp_lab.bench.$module" "hydra.run.dir=$OUT_DIR/$name" "$@" \
     "${extra[@]}" > "$OUT_DIR/logs/$name.log" 2>&1
   local rc=$? dt=$(( $(date +%s) - s )) status=ok

@@ -180,7 +180,7 @@ def main():
         # captured with the step (timer events cannot be recorded inside a capture; the LR
         # schedule is host-side Python).
         "eager bf16 cl graph": dict(amp=bf16, cl=True, graph=True),
-        "eager bf16 cl graph +loop data,guard,loss": dict(amp=bf16, cl=True, graph=True,
+        "eager bf16 cl graph +loop data+guard+loss": dict(amp=bf16, cl=True, graph=True,
                                                          extras=("data", "guard", "loss")),
         "compile bf16 cl": dict(amp=bf16, cl=True, compile_mode="default"),
         "compile bf16 cl +loop all": dict(amp=bf16, cl=True, compile_mode="default", extras=loop),

@@ -169,13 +169,11 @@ def bare_loop(cfg, device: torch.device, steps: int, warmup: int) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times_ms, loss = back_to_back_ms(step, device, steps)
-    times = [t / 1e3 for t in times_ms]
     peak = (torch.cuda.max_memory_allocated(device) - base if device.type == "cuda"
             else float("nan"))
-    final_loss = loss.float().item()
-    return {"img_s": batch * steps / sum(times), "img_s_med": batch / statistics.median(times),
-            "step_ms_med": statistics.median(times) * 1e3, "peak_mem_bytes": peak,
-            "loss": final_loss}
+    median_ms = statistics.median(times_ms)
+    return {"img_s": batch * steps / sum(times_ms) * 1e3, "img_s_med": batch / median_ms * 1e3,
+            "step_ms_med": median_ms, "peak_mem_bytes": peak, "loss": loss.float().item()}
 
 
 def ddp_loop(cfg, run_dir: str, keep_checkpoints: bool = False) -> dict:
