@@ -95,6 +95,9 @@ class TrainConfig:
     channels_last: bool = False
     compile: bool = False
     compile_mode: str = "default"  # torch.compile mode: default | max-autotune | ...
+    # Capture the whole step (forward, backward, guard, optimizer) as one CUDA graph and replay
+    # it: for host-bound small models. CUDA, sync=none, no GradScaler (ddp_lab/graph.py).
+    cuda_graph: bool = False
     cudnn_benchmark: bool = True
     progress: bool = True  # progress bar on rank 0
     resume: str = "auto"  # auto | never | path to a checkpoint

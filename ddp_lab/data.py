@@ -9,8 +9,9 @@ as batch k of a single process with world_size times the per-rank batch. That is
 In-memory sets (digits, synthetic, CIFAR-10) live on the training device and are batched by
 indexing, so the loader never starves a GPU: normalised once in the compute dtype where that fits
 in PREPARE_MAX_BYTES and there is no augmentation, else as uint8 normalised per batch (synthetic:
-a pool of images in the compute dtype). ImageFolder goes through a DataLoader with worker
-processes.
+a pool of images in the compute dtype). Where the rest of an epoch fits in
+EPOCH_GATHER_MAX_BYTES it is fetched at once and batches are views of it.
+ImageFolder goes through a DataLoader with worker processes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # digits' training set at 224 px in bf16 is 0.43 GB, CIFAR-10's at 32 px 0.31 GB; CIFAR-10's test
 # set at 224 px (3.0 GB) is normalised per batch.
 PREPARE_MAX_BYTES = 2 * 2**30
+# A stream fetches the rest of an epoch at once up to this size (CIFAR-10 or synthetic at 32 px in
+# bf16: 0.31 GB), GATHER_CHUNK samples at a time; larger epochs (224 px synthetic: 15 GB) are
+# fetched per batch.
+EPOCH_GATHER_MAX_BYTES = 2 * 2**30
+GATHER_CHUNK = 16384
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,12 @@ class TensorImages:
 
     def to_channels_last(self) -> None:
         self.images = self.images.contiguous(memory_format=torch.channels_last)
+
+    def sample_bytes(self) -> int:
+        """Bytes of one fetched sample: as stored once prepared, else normalised fp32."""
+        if self.prepared:
+            return self.images[0].numel() * self.images.element_size()
+        return self.images.shape[1] * self.image_size**2 * 4
 
     def prepared_bytes(self, dtype: torch.dtype) -> int:
         return len(self) * self.images.shape[1] * self.image_size**2 * dtype.itemsize
@@ -133,6 +145,9 @@ class SyntheticImages:
 
     def to_channels_last(self) -> None:
         self.pool = self.pool.contiguous(memory_format=torch.channels_last)
+
+    def sample_bytes(self) -> int:
+        return self.pool[0].numel() * self.pool.element_size()
 
     def fetch(self, idx: torch.Tensor, augment_keys: tuple | None = None):
         return self.pool[idx % len(self.pool)], self.labels[idx]
@@ -260,8 +275,21 @@ class DeviceBatches(BatchStream):
             idx = idx.pin_memory()
         idx = idx.to(where, non_blocking=True)
         keys = None if self.augment_seed is None else (self.augment_seed, epoch)
-        for b in range(start_batch, self._batches_of(len(idx))):
-            x, y = self.dataset.fetch(idx[b * self.batch_size:(b + 1) * self.batch_size], keys)
+        n, b0 = self._batches_of(len(idx)), start_batch * self.batch_size
+        idx = idx[b0:min(len(idx), n * self.batch_size)]  # the samples this stream will yield
+        # Where the rest of the epoch fits, fetch it at once (in batch order, chunked) and cut
+        # each batch as a view, no op at all: a small model's step is bounded by how fast the host
+        # issues ops, and an augmented batch takes ~25 of them. Samples are fetched alike whatever
+        # the batch they come in (augmentation is per sample), so the batches are the same.
+        whole = len(idx) * self.dataset.sample_bytes() <= EPOCH_GATHER_MAX_BYTES
+        if whole:
+            parts = [self.dataset.fetch(idx[i:i + GATHER_CHUNK], keys)
+                     for i in range(0, len(idx), GATHER_CHUNK)]
+            xs, ys = (torch.cat(p) for p in zip(*parts)) if len(parts) > 1 else parts[0]
+            del parts
+        for b in range(n - start_batch):
+            part = slice(b * self.batch_size, (b + 1) * self.batch_size)
+            x, y = (xs[part], ys[part]) if whole else self.dataset.fetch(idx[part], keys)
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 

@@ -153,6 +153,8 @@ class Guard:
         self.checks = 0
         self._pending: list[list] = []  # [step, found, detail, scale before, scale after]
         self._store = _store() if info.world_size > 1 else None
+        self._one: torch.Tensor | None = None  # the check's scale, made on the first step's device
+        self._captured: list | None = None  # train.cuda_graph: the captured step's entry
         _progress["sync"] = sync_name
 
     def begin_step(self, step: int) -> None:
@@ -173,23 +175,33 @@ class Guard:
             self._pending.append([step, None, None, scale, None])
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        loss = loss.detach()
+        if self._one is None:
+            self._one = torch.ones(1, device=loss.device)
         # The L1 norms of the loss and of every gradient in one multi-tensor kernel (one read
-        # pass): a norm is inf/NaN iff some element is (or the sum of finite values overflows
-        # fp32: skip that too). Few ops on purpose: a small model's step is bounded by how fast
-        # the host issues them (each op here cost ~50 us of a 4 ms AlexNet-CIFAR step on the H200).
-        norms = torch.stack(torch._foreach_norm([loss.detach(), *grads], 1, dtype=torch.float32))
+        # pass), then GradScaler's check over those few norms (with a scale of 1: values
+        # unchanged), which sets a zeroed flag to 1.0 if one is inf/NaN. A norm is inf/NaN iff
+        # some element is (or a tensor's finite values sum past fp32's range: skip that too). Few ops on
+        # purpose: a small model's step is bounded by how fast the host issues them (each op cost
+        # ~50 us of a 5 ms AlexNet-CIFAR step on the H200); one read pass, because in a CUDA
+        # graph (train.cuda_graph) bytes are what cost.
+        norms = torch._foreach_norm([loss, *grads], 1, dtype=torch.float32)
+        check = lambda tensors, flag: torch._amp_foreach_non_finite_check_and_unscale_(
+            tensors, flag, self._one)
         if self.info.world_size == 1:
-            # 0.0 if the sum is finite, else 1.0 (inf * 0 and NaN * 0 are NaN). Which norm it was
-            # is worked out on the host, and only for a flagged step (rank_flags).
-            found, detail = (norms.sum() * 0).nan_to_num_(nan=1.0), norms
+            found = torch.zeros(1, device=loss.device)
+            check(norms, found)
+            detail = loss  # which one it was is worked out on the host, for a flagged step only
         else:
             # [loss, gradients] x rank, each rank filling its own column: all ranks decide
             # together and the message can say where the inf/NaN came from.
+            r = self.info.rank
             detail = torch.zeros(2, self.info.world_size, device=loss.device)
-            detail[:, self.info.rank] = ~torch.isfinite(torch.stack([norms[0], norms[1:].sum()]))
+            check(norms[:1], detail[0, r:r + 1])
+            check(norms[1:], detail[1, r:r + 1])
             dist.all_reduce(detail)  # columns are disjoint: entries stay 0/1
             found = detail.amax()
-        if optimizer.defaults.get("fused") and optimizer.state:
+        if optimizer.defaults.get("fused") and (optimizer.state or _stateless(optimizer)):
             optimizer.found_inf = found  # 1.0 skips the fused update, 0.0 applies it
         elif found.item():
             # Unfused optimizer, or the very first step (fused SGD would leave its new momentum
@@ -197,15 +209,23 @@ class Guard:
             optimizer.zero_grad(set_to_none=True)  # no gradients: the optimizer step is a no-op
         self._pending.append([step, found, detail, None, None])
 
-    def rank_flags(self, detail: torch.Tensor) -> torch.Tensor:
+    def rank_flags(self, found: torch.Tensor, detail: torch.Tensor) -> torch.Tensor:
         """[loss, gradients] x rank, 1.0 where that rank's loss / gradients were not finite."""
         if detail.dim() == 2:
             return detail
-        # World size 1: the norms themselves, [loss, gradient...]. The verdict came from their
-        # sum, so a sum that overflowed with every norm finite counts against the gradients.
-        bad_loss = ~torch.isfinite(detail[0])
-        bad_grads = ~torch.isfinite(detail[1:].sum()) | (~bad_loss & ~torch.isfinite(detail.sum()))
-        return torch.stack([bad_loss, bad_grads]).float().view(2, 1)
+        # World size 1: the step's loss. A non-finite loss makes the gradients so too: name the
+        # cause.
+        bad_loss = ~torch.isfinite(detail)
+        return torch.stack([bad_loss, found.view(()).bool() & ~bad_loss]).float().view(2, 1)
+
+    def replayed(self, step: int) -> None:
+        """train.cuda_graph: after a replay of the captured step. Its after_sync ran once, at
+        capture, and every replay overwrites the same verdict tensors: keep this step's copy."""
+        if self._captured is None:
+            self._captured = self._pending.pop()
+        _, found, loss, _, _ = self._captured
+        snap = torch.cat([found.view(1), loss.view(1)])  # one op
+        self._pending.append([step, snap[:1], snap[1], None, None])
 
     def end_step(self, step: int, sync_point: bool) -> bool:
         """After the optimizer step. At a sync point (log step, checkpoint, end) read the
@@ -232,9 +252,9 @@ class Guard:
                 continue
             if not found.item():
                 continue
+            flags = self.rank_flags(found, detail)
             where = "; ".join(f"non-finite {what} on rank(s) {row.nonzero().flatten().tolist()}"
-                              for what, row in zip(("loss", "gradients"), self.rank_flags(detail))
-                              if row.any())
+                              for what, row in zip(("loss", "gradients"), flags) if row.any())
             if self.policy == "stop":
                 raise NonFiniteError(
                     f"step {step}: {where}; stopping (train.nonfinite=stop). The step was not "
@@ -272,6 +292,12 @@ class Guard:
         return {"nonfinite_skipped_steps": len(self.skipped),
                 "rank_nonfinite_skipped_steps": every,
                 "consistency_checks": self.checks}
+
+
+def _stateless(optimizer) -> bool:
+    """SGD without momentum keeps no state, so its first step may be skipped on the device too."""
+    return isinstance(optimizer, torch.optim.SGD) and all(
+        g["momentum"] == 0 for g in optimizer.param_groups)
 
 
 def assert_finite(model: torch.nn.Module, optimizer, step: int) -> None:

@@ -8,7 +8,6 @@ import math
 import torch
 
 
-
 def _impl_kwargs(impl: str, device: torch.device) -> dict:
     if impl in ("auto", "fused"):
         # Fused SGD/AdamW kernels exist for CUDA and CPU (torch >= 2.4). They also take a
@@ -42,3 +41,14 @@ def build_scheduler(optimizer, ocfg, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, ocfg.warmup_steps, total_steps, ocfg.schedule,
                                           ocfg.min_lr_ratio))
+
+
+def float_lrs(optimizer, scheduler) -> dict:
+    """{"optimizer": ..., "scheduler": ...} state dicts with plain-float learning rates, whether
+    the live ones are floats or device tensors (train.cuda_graph), so a checkpoint resumes either
+    way."""
+    opt, sched = optimizer.state_dict(), scheduler.state_dict()
+    for group in opt["param_groups"]:  # state_dict() made these dicts: the live groups keep theirs
+        group["lr"] = float(group["lr"])
+    sched["_last_lr"] = [float(lr) for lr in sched["_last_lr"]]
+    return {"optimizer": opt, "scheduler": sched}

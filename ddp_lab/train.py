@@ -30,9 +30,10 @@ from omegaconf import OmegaConf
 from ddp_lab import checkpoint, dist as ddp_dist, fault, guard
 from ddp_lab.config import ConfigError, register_configs, validate
 from ddp_lab.data import build_data
+from ddp_lab.graph import DeviceLR, GraphedStep, check_supported
 from ddp_lab.metrics import StepTimer, make_logger, with_exposed_comm
 from ddp_lab.models import build_model
-from ddp_lab.optim import build_optimizer, build_scheduler
+from ddp_lab.optim import build_optimizer, build_scheduler, float_lrs
 from ddp_lab.precision import setup_precision
 from ddp_lab.sync import build_sync
 
@@ -46,6 +47,8 @@ def train(cfg, run_dir: str) -> dict:
     info = ddp_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
     logger = None
     try:
+        if cfg.train.cuda_graph:  # refused before anything is written
+            check_supported(cfg, info.device)
         if info.is_main:
             os.makedirs(run_dir, exist_ok=True)
         _setup_logging(run_dir, info.is_main)
@@ -102,6 +105,7 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
         start_step = resumed["step"]
         log.info("resumed from %s at step %d", resumed["path"], start_step)
 
+    device_lr = DeviceLR(optimizer) if tcfg.cuda_graph else None  # after resuming: floats there
     faults = fault.Faults(cfg.fault, info.rank, info.world_size, model)
     checks = guard.Guard(tcfg, cfg.sync.name, info, model, precision.scaler, total_steps)
 
@@ -112,8 +116,8 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
         guard.assert_finite(model, optimizer, step)  # a NaN never reaches a checkpoint
         rng = checkpoint.gather_rng_states(device)
         if info.is_main:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "scaler": precision.scaler.state_dict(),
+            state = {"model": model.state_dict(), **float_lrs(optimizer, scheduler),
+                     "scaler": precision.scaler.state_dict(),
                      "step": step, "epoch": step // steps_per_epoch,
                      "epoch_batch": (step % steps_per_epoch) * tcfg.accum_steps,
                      "rng": rng, "config_digest": digest, "world_size": info.world_size,
@@ -159,42 +163,66 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
     batches = data.train.epoch(epoch, start_batch=(start_step % steps_per_epoch) * tcfg.accum_steps)
     model.train()
     timer.restart()
-    for step in range(start_step, stop_step):
-        faults.on_step(step + 1)  # fault.* injection (tests, demos); off by default
-        checks.begin_step(step + 1)
-        if step // steps_per_epoch != epoch:
-            epoch = step // steps_per_epoch
-            batches = data.train.epoch(epoch)
-        for micro in range(tcfg.accum_steps):
-            x, y = next(batches)
-            x = x.contiguous(memory_format=memory_format)
-            timer.mark("data")
+    def compute_step(step: int, micro_batches: list, mark) -> None:
+        """One optimizer step's device work: forward and backward of each micro-batch, gradient
+        sync, guard, optimizer. With train.cuda_graph this is what is captured and replayed."""
+        for micro, (x, y) in enumerate(micro_batches):
             last = micro == tcfg.accum_steps - 1
             with (contextlib.nullcontext() if last else sync.no_sync()):
                 with precision.autocast():
                     loss = F.cross_entropy(train_model(x), y)
                 if tcfg.accum_steps > 1:  # (one op fewer otherwise: small models are host-bound)
                     loss = loss / tcfg.accum_steps
-                timer.mark("forward")
+                mark("forward")
                 precision.scaler.scale(loss).backward()  # the last micro-step starts bucket syncs
-                timer.mark("backward")
-            loss_window += loss.detach()
+                mark("backward")
+            loss_window.add_(loss.detach())
         sync.finish()  # gradients averaged over ranks from here on
-        checks.after_sync(step + 1, loss, optimizer)  # inf/NaN: skip on every rank, or stop
-        timer.mark("comm")
+        checks.after_sync(step, loss, optimizer)  # inf/NaN: skip on every rank, or stop
+        mark("comm")
         if cfg.optim.grad_clip > 0:
             precision.scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         precision.scaler.step(optimizer)  # skipped (on every rank alike) if grads hold inf/NaN
         precision.scaler.update()
         optimizer.zero_grad(set_to_none=True)
+
+    graphed = None
+    if tcfg.cuda_graph:  # inputs: the micro-batches, flattened (x0, y0, x1, y1, ...)
+        graphed = GraphedStep(lambda *t: compute_step(
+            step + 1, list(zip(t[::2], t[1::2])), lambda phase: None))
+    for step in range(start_step, stop_step):
+        faults.on_step(step + 1)  # fault.* injection (tests, demos); off by default
+        checks.begin_step(step + 1)
+        if step // steps_per_epoch != epoch:
+            epoch = step // steps_per_epoch
+            batches = data.train.epoch(epoch)
+        micro_batches = []
+        for _ in range(tcfg.accum_steps):
+            x, y = next(batches)
+            micro_batches.append((x.contiguous(memory_format=memory_format), y))
+        timer.mark("data")
+        if graphed is None:
+            what = "eager"
+            compute_step(step + 1, micro_batches, timer.mark)
+        else:
+            what, _ = graphed(*(t for pair in micro_batches for t in pair))
+            if what != "eager":
+                checks.replayed(step + 1)
         scheduler.step()
-        timer.mark("optim")
-        timer.end_step()
-        if step - start_step >= tcfg.timing_warmup:
-            comm_busy.append(sync.comm_busy_ms())  # NaN where the sync cannot measure it
+        if device_lr is not None:
+            device_lr.update()
+        # With a graph, forward, backward, guard and optimizer are one phase.
+        timer.mark("optim" if graphed is None else "graph")
         window_steps += 1
         clock_steps += 1
+        if what == "captured":  # capture time is not step time
+            timer.restart()
+            clock_steps, clock_t0 = 0, time.perf_counter()
+        else:
+            timer.end_step()
+        if step - start_step >= tcfg.timing_warmup:
+            comm_busy.append(sync.comm_busy_ms())  # NaN where the sync cannot measure it
         bar.update(1)
 
         done = step + 1
@@ -203,21 +231,23 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
             mean_loss = loss_window.item() / (window_steps * info.world_size)  # waits for the GPU
             elapsed = time.perf_counter() - clock_t0  # so the clock is read after the work is done
             metrics = {"train/loss": mean_loss,
-                       "train/lr": scheduler.get_last_lr()[0],
-                       "throughput/img_per_s": clock_steps * global_batch / elapsed,
-                       "time/step_ms": elapsed / clock_steps * 1e3,
+                       "train/lr": float(scheduler.get_last_lr()[0]),
                        "train/epoch": done / steps_per_epoch}
+            if clock_steps:  # none where the window held only a graph capture
+                metrics["throughput/img_per_s"] = clock_steps * global_batch / elapsed
+                metrics["time/step_ms"] = elapsed / clock_steps * 1e3
             # The phases' medians over the window (time/step_ms above is its wall clock).
             phases = with_exposed_comm(timer.window(), local_backward_ms, tcfg.accum_steps)
             metrics.update({f"time/{k}_ms": v for k, v in phases.items() if k != "step"})
             if precision.scaler.is_enabled():
                 metrics["precision/loss_scale"] = precision.scaler.get_scale()
             logger.log(done, metrics)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
-                            img_s=f"{metrics['throughput/img_per_s']:.0f}")
+            speed = (f"{metrics['throughput/img_per_s']:.0f}" if clock_steps
+                     else "CUDA graph captured, not timed")
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", img_s=speed)
             if bar.disable:
-                log.info("step %d/%d: loss %.4f, %.0f img/s", done, total_steps,
-                         metrics["train/loss"], metrics["throughput/img_per_s"])
+                log.info("step %d/%d: loss %.4f, %s img/s", done, total_steps,
+                         metrics["train/loss"], speed)
             loss_window.zero_()
             window_steps, clock_steps, clock_t0 = 0, 0, time.perf_counter()
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ddp_lab.bench.common import back_to_back_ms, sync  # noqa: E402
 from ddp_lab.data import SyntheticImages  # noqa: E402
+from ddp_lab.graph import GraphedStep  # noqa: E402
 from ddp_lab.guard import Guard  # noqa: E402
 from ddp_lab.metrics import StepTimer  # noqa: E402
 from ddp_lab.models import build_model  # noqa: E402
@@ -87,7 +88,7 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
             checks.after_sync(state["i"], loss, opt)
         mark("comm")
         opt.step()
-        opt.zero_grad(set_to_none=not graph)
+        opt.zero_grad(set_to_none=True)
         if "sched" in extras:
             sched.step()
         mark("optim")
@@ -101,22 +102,8 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
 
     if not graph:
         return step
-    # Whole-step CUDA graph (forward, backward, optimizer): warm up on a side stream, capture once.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = step()
-
-    def replay():
-        g.replay()
-        return out
-
-    return replay
+    graphed = GraphedStep(step)  # the training loop's train.cuda_graph: eager calls, then capture
+    return lambda: graphed()[1]
 
 
 def time_steps(step, device, steps, warmup):
@@ -176,12 +163,7 @@ def main():
         "+loop all": dict(amp=bf16, cl=True, extras=loop),
         "eager bf16 cl s2d +loop all": dict(amp=bf16, cl=True, extras=loop, **s2d),
         "eager bf16 cl s2d graph": dict(amp=bf16, cl=True, graph=True, **s2d),
-        # What a whole-step CUDA graph in the loop could reach: the loop's device-side pieces
-        # captured with the step (timer events cannot be recorded inside a capture; the LR
-        # schedule is host-side Python).
         "eager bf16 cl graph": dict(amp=bf16, cl=True, graph=True),
-        "eager bf16 cl graph +loop data+guard+loss": dict(amp=bf16, cl=True, graph=True,
-                                                         extras=("data", "guard", "loss")),
         "compile bf16 cl": dict(amp=bf16, cl=True, compile_mode="default"),
         "compile bf16 cl +loop all": dict(amp=bf16, cl=True, compile_mode="default", extras=loop),
         "compile bf16 cl s2d": dict(amp=bf16, cl=True, compile_mode="default", **s2d),

@@ -17,6 +17,7 @@ def assert_clean_failure(proc, needle: str, code: int = 2):
     (["train.batch_size=0"], "train.batch_size=0 must be > 0", 2),
     (["data=cifar10", "data.root=/nonexistent/cifar"], "/nonexistent/cifar", 2),
     (["data=imagefolder", "data.root=/nonexistent/imagenet"], "/nonexistent/imagenet", 2),
+    (["train.cuda_graph=true"], "train.cuda_graph=true: CUDA graphs need a CUDA device", 2),
 ])
 def test_bad_config_fails_clearly(args, needle, code, tmp_path):
     proc = python_module(args + [f"hydra.run.dir={tmp_path}"], timeout=120)

@@ -25,7 +25,7 @@ def backward(model, poison=None):
     loss.backward()
     if poison in ("grad", "grad_inf"):
         model[1].bias.grad[0] = float("nan" if poison == "grad" else "-inf")
-    if poison == "overflow":  # every gradient finite, every L1 norm finite, their sum not
+    if poison == "overflow":  # huge but finite gradients, each tensor's L1 norm finite: applied
         model[0].weight.grad.fill_(2e37)
         model[1].weight.grad.fill_(2e37)
     if poison == "loss":
@@ -38,7 +38,7 @@ def state(model, opt):
         s["momentum_buffer"].clone() for s in opt.state.values()]
 
 
-@pytest.mark.parametrize("poison,row", [(None, None), ("grad", 1), ("grad_inf", 1), ("overflow", 1),
+@pytest.mark.parametrize("poison,row", [(None, None), ("grad", 1), ("grad_inf", 1), ("overflow", None),
                                         ("loss", 0)])
 def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poison, row):
     model, opt, guard = setup()
@@ -53,7 +53,7 @@ def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poiso
     expected = torch.zeros(2, 1)
     if row is not None:
         expected[row, 0] = 1
-    assert torch.equal(guard.rank_flags(detail), expected)
+    assert torch.equal(guard.rank_flags(found, detail), expected)
     assert opt.found_inf is found and found.item() == (row is not None)  # decided on the device
     opt.step()
     after = state(model, opt)
@@ -73,3 +73,22 @@ def test_stop_policy_raises_at_the_sync_point_naming_the_step():
     guard.end_step(2, sync_point=False)  # not read yet: no host sync between sync points
     with pytest.raises(NonFiniteError, match="step 2: non-finite gradients on rank"):
         guard.end_step(3, sync_point=True)
+
+
+def test_sgd_without_momentum_skips_on_the_device_from_the_first_step():
+    """No momentum: no optimizer state to be made, so even step 1 needs no host decision."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, fused=True)
+    guard = Guard(SimpleNamespace(nonfinite="skip", consistency_every=0), "none",
+                  SimpleNamespace(rank=0, world_size=1), model,
+                  torch.amp.GradScaler("cpu", enabled=False), total_steps=10)
+    before = [p.clone() for p in model.parameters()]
+    model(torch.randn(3, 4)).sum().backward()
+    model.bias.grad[0] = float("nan")
+    guard.after_sync(1, torch.tensor(1.0), opt)
+    assert opt.found_inf.item() == 1.0 and model.bias.grad is not None  # left to the device
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    guard.end_step(1, sync_point=True)
+    assert guard.skipped == [1]

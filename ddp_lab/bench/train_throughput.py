@@ -48,6 +48,7 @@ from hydra.core.config_store import ConfigStore
 from ddp_lab.bench.common import (back_to_back_ms, plot_lines, report, resolve_device, sync,
                                   write_info, write_rows)
 from ddp_lab.config import ConfigError
+from ddp_lab.graph import EAGER_CALLS, GraphedStep
 from ddp_lab.precision import AUTOCAST_DTYPES
 
 
@@ -59,6 +60,8 @@ class TrainThroughputConfig:
     precisions: list[str] = field(default_factory=lambda: ["fp32", "tf32", "fp16", "bf16"])
     channels_last: list[bool] = field(default_factory=lambda: [False, True])
     compile: list[bool] = field(default_factory=lambda: [False])
+    # Whole-step CUDA graph (train.cuda_graph), on both sides; CUDA only, not with fp16
+    cuda_graph: list[bool] = field(default_factory=lambda: [False])
     batches: list[int] = field(default_factory=lambda: [256])
     steps: int = 30  # timed steps per loop
     warmup: int = 10  # steps before timing (cuDNN autotuning, compilation)
@@ -108,12 +111,13 @@ def compose_train_config(overrides: list[str]):
 
 def row_overrides(model: str, precision: str, channels_last: bool, compile_: bool, batch: int,
                   steps: int, warmup: int, device: torch.device, seed: int,
-                  extra: list[str] = ()) -> list[str]:
+                  extra: list[str] = (), cuda_graph: bool = False) -> list[str]:
     return [f"model={model}", "data=synthetic", "sync=none", f"precision={precision}",
             f"train.batch_size={batch}", f"train.channels_last={str(channels_last).lower()}",
-            f"train.compile={str(compile_).lower()}", f"train.max_steps={warmup + steps}",
+            f"train.compile={str(compile_).lower()}", f"train.cuda_graph={str(cuda_graph).lower()}",
+            f"train.max_steps={warmup + steps + cuda_graph}",  # the capture step is not timed
             f"train.timing_warmup={warmup}", "train.progress=false", "train.eval_every_epochs=0",
-            "train.resume=never", f"train.log_every={warmup + steps}",
+            "train.resume=never", f"train.log_every={warmup + steps + cuda_graph}",
             f"data.val_samples={batch}",  # evaluation is not timed; keep it short anyway
             f"data.num_samples={max(50_000, batch * (warmup + steps + 1))}",  # one epoch, no refill
             f"dist.backend={'nccl' if device.type == 'cuda' else 'gloo'}", f"seed={seed}", *extra]
@@ -156,6 +160,9 @@ def make_bare_step(cfg, device: torch.device, compile_: bool):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    if cfg.train.cuda_graph:  # the same step, captured after GraphedStep's eager calls
+        graphed = GraphedStep(step)
+        return (lambda: graphed()[1]), batch
     return step, batch
 
 
@@ -163,6 +170,8 @@ def bare_loop(cfg, device: torch.device, steps: int, warmup: int) -> dict:
     """Time `steps` reference steps after `warmup`: img/s (mean and median), peak memory."""
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     step, batch = make_bare_step(cfg, device, cfg.train.compile)
+    if cfg.train.cuda_graph:  # captured within the warm-up, like the ddp_lab side
+        warmup = max(warmup, EAGER_CALLS + 1)
     for _ in range(warmup):
         loss = step()
     sync(device)
@@ -309,14 +318,19 @@ def run(cfg, run_dir: str) -> list[dict]:
     net = MODELS[model](num_classes=classes) if cfg.predict_memory else None
 
     rows = []
-    combos = list(itertools.product(precisions, cfg.channels_last, cfg.compile, batches))
+    graphs = [g for g in cfg.cuda_graph if not (g and on_cpu)]
+    if len(graphs) < len(cfg.cuda_graph):
+        print("cuda_graph=true rows skipped: CUDA graphs need a CUDA device", flush=True)
+    combos = [c for c in itertools.product(precisions, cfg.channels_last, cfg.compile, graphs,
+                                           batches)
+              if not (c[3] and c[0] == "fp16")]  # fp16's GradScaler decides on the host
     if not cfg.matrix:
         combos = []
-    for i, (precision, cl, comp, batch) in enumerate(combos):
-        name = f"{precision}_cl{int(cl)}_compile{int(comp)}_b{batch}"
+    for i, (precision, cl, comp, graph, batch) in enumerate(combos):
+        name = f"{precision}_cl{int(cl)}_compile{int(comp)}{'_graph' * graph}_b{batch}"
         print(f"[{i + 1}/{len(combos)}] {name}", flush=True)
         tcfg = compose_train_config(row_overrides(model, precision, cl, comp, batch, steps, warmup,
-                                                  device, cfg.seed, cfg.ddp_overrides))
+                                                  device, cfg.seed, cfg.ddp_overrides, graph))
         bares, ddps = [], []
         for rep in range(cfg.repeats):
             order = ("bare", "ddp") if rep % 2 == 0 else ("ddp", "bare")
@@ -329,7 +343,7 @@ def run(cfg, run_dir: str) -> list[dict]:
                                          cfg.keep_checkpoints))
         med = lambda xs, k: statistics.median(x[k] for x in xs)
         row = {"model": model, "stem": tcfg.model.stem, "precision": precision,
-               "channels_last": cl, "compile": comp,
+               "channels_last": cl, "compile": comp, "cuda_graph": graph,
                "batch": batch, "steps": steps,
                "ddp_img_s": med(ddps, "img_s"), "bare_img_s": med(bares, "img_s")}
         row["ratio"] = row["ddp_img_s"] / row["bare_img_s"]
@@ -363,19 +377,22 @@ def run(cfg, run_dir: str) -> list[dict]:
     if rows:
         best = max(rows, key=lambda r: r["ddp_img_s"])
         notes.append(f"best ddp_lab row: {best['precision']} channels_last={best['channels_last']} "
-                     f"compile={best['compile']} batch {best['batch']}: {best['ddp_img_s']:.0f} img/s, "
-                     f"{best['ddp_tflops']:.1f} TFLOP/s, MFU {best['mfu_sheet']:.1%} of the datasheet peak")
+                     f"compile={best['compile']} cuda_graph={best['cuda_graph']} batch "
+                     f"{best['batch']}: {best['ddp_img_s']:.0f} img/s, {best['ddp_tflops']:.1f} "
+                     f"TFLOP/s, MFU {best['mfu_sheet']:.1%} of the datasheet peak")
         notes.append(f"ddp_lab / bare: median ratio {statistics.median(r['ratio'] for r in rows):.3f} "
                      f"(min {min(r['ratio'] for r in rows):.3f}); the issue's target is >= 0.97")
-        fp32 = {(r["compile"], r["batch"]): r["ddp_img_s"] for r in rows
+        fp32 = {(r["compile"], r["cuda_graph"], r["batch"]): r["ddp_img_s"] for r in rows
                 if r["precision"] == "fp32" and not r["channels_last"]}
         for r in rows:
-            if r["precision"] == "bf16" and r["channels_last"] and (r["compile"], r["batch"]) in fp32:
-                notes.append(f"bf16 + channels_last vs fp32 (compile={r['compile']}, batch "
-                             f"{r['batch']}): {r['ddp_img_s'] / fp32[(r['compile'], r['batch'])]:.2f}x "
+            key = (r["compile"], r["cuda_graph"], r["batch"])
+            if r["precision"] == "bf16" and r["channels_last"] and key in fp32:
+                notes.append(f"bf16 + channels_last vs fp32 (compile={r['compile']}, cuda_graph="
+                             f"{r['cuda_graph']}, batch {r['batch']}): "
+                             f"{r['ddp_img_s'] / fp32[key]:.2f}x "
                              "(target >= 3x)")
-    cols = ["stem", "precision", "channels_last", "compile", "batch", "ddp_img_s", "bare_img_s", "ratio",
-            "ratio_med", "ddp_step_ms", "ddp_tflops", "mfu_sheet", "mfu_gemm", "pred_mem_gb",
+    cols = ["stem", "precision", "channels_last", "compile", "cuda_graph", "batch", "ddp_img_s",
+            "bare_img_s", "ratio", "ratio_med", "ddp_step_ms", "ddp_tflops", "mfu_sheet", "mfu_gemm", "pred_mem_gb",
             "peak_mem_gb", "ok"]
     if combos:
         report(rows, run_dir, "train_throughput", [c for c in cols if c in rows[0]],
