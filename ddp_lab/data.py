@@ -156,9 +156,10 @@ class SyntheticImages:
 def random_crop_flip(x: torch.Tensor, idx: torch.Tensor, keys: tuple, pad: int = 4) -> torch.Tensor:
     """CIFAR-style augmentation on a uint8 batch: random crop after `pad` zero-padding, random flip."""
     b, _, h, w = x.shape
-    dy = sample_hash(*keys, idx, 1) % (2 * pad + 1)
-    dx = sample_hash(*keys, idx, 2) % (2 * pad + 1)
-    flip = (sample_hash(*keys, idx, 3) & 1).bool()
+    # The three draws (salts 1, 2, 3) hashed together, broadcast to [3, b]: a third of the ops.
+    draws = sample_hash(*keys, idx, torch.arange(1, 4, device=idx.device)[:, None])
+    dy, dx = draws[0] % (2 * pad + 1), draws[1] % (2 * pad + 1)
+    flip = (draws[2] & 1).bool()
     xp = F.pad(x, (pad, pad, pad, pad))
     rows = dy[:, None] + torch.arange(h, device=x.device)  # [b, h]
     cols = dx[:, None] + torch.arange(w, device=x.device)  # [b, w]

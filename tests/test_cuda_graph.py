@@ -1,5 +1,6 @@
 """train.cuda_graph: what is refused (CPU), checkpoints with device-tensor learning rates (CPU), and
-on a GPU that the graphed loop trains like the eager one and skips a non-finite replayed step.
+on a GPU that the graphed loop trains bitwise like the eager one and skips a non-finite replayed
+step.
 
     python -m pytest -q tests/test_cuda_graph.py        # the CUDA tests need a GPU
 """
@@ -99,23 +100,19 @@ def _run(tmp_path, name, overrides):
 
 @cuda
 @pytest.mark.timeout(300)
-def test_graphed_training_follows_the_eager_run(tmp_path):
-    """Same losses, learning rates and weights (to float rounding: cuDNN may order sums
-    differently between captures) as the eager loop, 12 steps of a cosine schedule."""
-    from ddp_lab.models import build_model
-
+def test_graphed_training_is_bitwise_the_eager_run(tmp_path, monkeypatch):
+    """12 steps of a warm-up + cosine schedule: the same losses and weights, bit for bit, as the
+    eager loop. (cuDNN's deterministic algorithms on both sides: its default ones already
+    differ between two eager runs, by ~0.5% of the weights' movement after 12 steps.)"""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     eager, e_rows, e_params = _run(tmp_path, "eager", [])
     graph, g_rows, g_params = _run(tmp_path, "graph", ["train.cuda_graph=true"])
     assert [r["train/lr"] for r in g_rows] == pytest.approx([r["train/lr"] for r in e_rows],
                                                             rel=1e-6)
     assert len({r["train/lr"] for r in g_rows}) > 6  # the schedule moved, in the graph too
-    assert [r["train/loss"] for r in g_rows] == pytest.approx([r["train/loss"] for r in e_rows],
-                                                              rel=1e-4)
-    torch.manual_seed(0)  # the loop's initial weights
-    init = build_model("alexnet_cifar", 10, 0.0, "standard").state_dict()
-    moved = sum((e_params[k] - init[k]).norm() ** 2 for k in init) ** 0.5
-    apart = sum((g_params[k] - e_params[k]).norm() ** 2 for k in init) ** 0.5
-    assert moved > 0 and apart / moved < 1e-3, (apart, moved)
+    assert [r["train/loss"] for r in g_rows] == [r["train/loss"] for r in e_rows]
+    assert e_params.keys() == g_params.keys()
+    assert all(torch.equal(e_params[k], g_params[k]) for k in e_params)
     assert "graph" in graph["time_ms"] and "forward" not in graph["time_ms"]
     assert graph["timed_steps"] == 12 - 6 - 1  # the capture step is not timed
     assert graph["nonfinite_skipped_steps"] == 0 and eager["timed_steps"] == 6
