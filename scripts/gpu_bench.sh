@@ -82,12 +82,12 @@ step memory 60 memory sizes_mb=[16,256,1024,4096] plot=true
 step vector_add 90 vector_add min_exp=3 max_exp=9 points_per_decade=2 plot=true
 step memory_fit 45 memory_fit gpu_gb=141 measure=true measure_model=alexnet measure_batch=256 \
   measure_precisions=[fp32,tf32,fp16,bf16] measure_channels_last=true plot=true
-step train_cifar 50 train_throughput net=alexnet_cifar precisions=[bf16] channels_last=[true] \
-  compile=[false] batches=[512,2048] steps=30 warmup=10 "$PEAKS"
+step train_cifar 80 train_throughput net=alexnet_cifar precisions=[bf16] channels_last=[true] \
+  compile=[false] cuda_graph=[false,true] batches=[512,2048] steps=30 warmup=10 "$PEAKS"
 step train_compile 240 train_throughput net=alexnet precisions=[bf16] channels_last=[true] \
   compile=[true] batches=[256] steps=30 warmup=10 "$PEAKS"
-step train_stem 150 train_throughput net=alexnet precisions=[bf16] channels_last=[true] \
-  compile=[false,true] batches=[256] steps=30 warmup=10 'ddp_overrides=["model.stem=space_to_depth"]' "$PEAKS"
+step train_stem 330 train_throughput net=alexnet precisions=[bf16] channels_last=[true] \
+  compile=[false,true] cuda_graph=[false,true] batches=[256] steps=30 warmup=10 'ddp_overrides=["model.stem=space_to_depth"]' "$PEAKS"
 
 echo "total $(( $(date +%s) - T0 )) s"
 "$PY" - "$OUT_DIR" <<'EOF' | tee "$OUT_DIR/summary.txt"

@@ -24,18 +24,22 @@ run bf16_cl_ddp model=alexnet sync=ddp  precision=bf16 train.batch_size=256 trai
 run bf16_cl_compile model=alexnet sync=none precision=bf16 train.batch_size=256 train.channels_last=true train.compile=true
 run bf16_cl_s2d model=alexnet model.stem=space_to_depth sync=none precision=bf16 train.batch_size=256 train.channels_last=true
 run bf16_cl_s2d_compile model=alexnet model.stem=space_to_depth sync=none precision=bf16 train.batch_size=256 train.channels_last=true train.compile=true
+run bf16_cl_s2d_compile_graph model=alexnet model.stem=space_to_depth sync=none precision=bf16 train.batch_size=256 train.channels_last=true train.compile=true train.cuda_graph=true
 run bf16_cl_digits model=alexnet data=digits sync=none precision=bf16 train.batch_size=256 train.channels_last=true
 run cifar_synth model=alexnet_cifar sync=none precision=bf16 train.batch_size=512 train.channels_last=true
 run cifar_digits model=alexnet_cifar data=digits sync=none precision=bf16 train.batch_size=512 train.channels_last=true
+run cifar_synth_graph model=alexnet_cifar sync=none precision=bf16 train.batch_size=512 train.channels_last=true train.cuda_graph=true
+run cifar_digits_graph model=alexnet_cifar data=digits sync=none precision=bf16 train.batch_size=512 train.channels_last=true train.cuda_graph=true
 python3 - "$OUT_DIR" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-print(f"{'run':18} {'img/s':>9} {'step':>7} {'fwd':>6} {'bwd':>6} {'exp.comm':>8} {'optim':>6} {'data':>6} {'GiB':>5}")
+print(f"{'run':28} {'img/s':>9} {'step':>7} {'fwd':>6} {'bwd':>6} {'exp.comm':>8} {'optim':>6} {'graph':>6} {'data':>6} {'GiB':>5}")
 for name in sorted(os.listdir(out)):
     p = os.path.join(out, name, "summary.json")
     if not os.path.exists(p):
         continue
     s = json.load(open(p)); t = s["time_ms"]
-    print(f"{name:18} {s['train_img_per_s']:9.0f} {t.get('step',0):7.2f} {t.get('forward',0):6.2f} {t.get('backward',0):6.2f} "
-          f"{t.get('exposed_comm',0):8.2f} {t.get('optim',0):6.2f} {t.get('data',0):6.2f} {s.get('max_memory_allocated_GiB',0):5.1f}")
+    print(f"{name:28} {s['train_img_per_s']:9.0f} {t.get('step',0):7.2f} {t.get('forward',0):6.2f} {t.get('backward',0):6.2f} "
+          f"{t.get('exposed_comm',0):8.2f} {t.get('optim',0):6.2f} {t.get('graph',0):6.2f} {t.get('data',0):6.2f} "
+          f"{s.get('max_memory_allocated_GiB',0):5.1f}")
 PY
