@@ -6,11 +6,14 @@ FC layers, which is what makes AlexNet communication-heavy under data parallelis
 from __future__ import annotations
 
 from torch import nn
-from torchvision.models import alexnet as torchvision_alexnet
 
 
 def AlexNet(num_classes: int = 1000, dropout: float = 0.5) -> nn.Module:
     """torchvision's AlexNet (the one-GPU variant of Krizhevsky et al.), randomly initialised."""
+    # Imported here: torchvision.models loads every model family (~3 s on a 2-core VM), which
+    # every rank of an AlexNet-CIFAR run would otherwise pay at start-up.
+    from torchvision.models import alexnet as torchvision_alexnet
+
     return torchvision_alexnet(weights=None, num_classes=num_classes, dropout=dropout)
 
 
