@@ -1,5 +1,6 @@
 import csv
 import json
+import os
 
 import pytest
 
@@ -39,3 +40,30 @@ def test_cost_shapes():
         cost("butterfly", 1, 2)
     algbw, busbw = bus_bandwidth(1e9, 0.5, 4)
     assert algbw == 2e9 and busbw == pytest.approx(3e9)
+
+
+def test_plot_results_draws_both_plots_from_the_recorded_device_outputs(tmp_path):
+    """scripts/plot_results.py on a copy of the committed H200 outputs: both PNGs, one bar
+    group per row of the benchmark CSVs."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.join(root, "docs", "results", "2026-12-03-h200")
+    shutil.copytree(src, tmp_path / "r", ignore=shutil.ignore_patterns("*.png"))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "plot_results.py"),
+                           str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("loop_vs_bare.png", "real_vs_synthetic.png"):
+        assert (tmp_path / "r" / name).stat().st_size > 10_000
+    rows = sum(len(list(csv.DictReader(open(p)))) for p in (tmp_path / "r").glob("*.csv"))
+    assert rows == 8
+
+
+def test_plot_bars_draws_groups_with_a_missing_bar(tmp_path):
+    from ddp_lab.bench.common import plot_bars
+
+    path = plot_bars({"a": {"x": 1.0, "y": 2.0}, "b": {"x": 3.0}}, str(tmp_path / "p.png"),
+                     ylabel="v", title="t")
+    assert os.path.getsize(path) > 5_000

@@ -201,3 +201,35 @@ def plot_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_bars(groups: dict[str, dict[str, float]], path: str, *, ylabel: str, title: str = "",
+              logy: bool = False) -> str:
+    """Grouped bars -> PNG at `path`: one group per outer key, one bar per inner key (the same
+    inner keys in every group, in the first group's order), each bar labelled with its value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(next(iter(groups.values())))
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(groups)), 4.5))
+    for i, name in enumerate(names):
+        xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
+        ys = [bars.get(name, float("nan")) for bars in groups.values()]
+        drawn = ax.bar(xs, ys, width, label=name)
+        ax.bar_label(drawn, labels=[f"{y:,.0f}" for y in ys], fontsize=7, rotation=90,
+                     padding=2)
+    ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if logy:
+        ax.set_yscale("log")
+    ax.margins(y=0.25)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(names), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
