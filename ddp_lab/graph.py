@@ -31,6 +31,9 @@ def check_supported(cfg, device: torch.device) -> None:
     if cfg.precision.grad_scaler:
         problems.append(f"precision={cfg.precision.name}'s GradScaler adjusts the loss scale on "
                         "the host; use precision=bf16")
+    if cfg.optim.name != "sgd":
+        problems.append(f"optim={cfg.optim.name}: only SGD's capture has been checked on a GPU "
+                        "(AdamW would also need capturable=True); use optim=sgd")
     if cfg.optim.impl not in ("auto", "fused"):
         problems.append(f"optim.impl={cfg.optim.impl}: the step needs the fused optimizer (it "
                         "reads the learning rate and the guard's skip flag on the device)")
