@@ -33,10 +33,13 @@ TMP_SUFFIX = ".tmp"
 FORMAT = 1  # bump when the layout changes incompatibly
 
 # Keys that may change between a run and its resumption without changing its result.
-# (train.calibrate_steps: timing-only backward passes under fork_rng, where that key exists.)
+# (train.calibrate_steps: timing-only backward passes under fork_rng, where that key exists.
+# train.cuda_graph: the same kernels replayed; bitwise the eager run with dropout off and cuDNN
+# deterministic, tests/test_cuda_graph.py.)
 RESUME_NEUTRAL = ("train.resume", "train.stop_at_step", "train.progress", "train.log_every",
                   "train.checkpoint_every", "train.keep_every", "train.timing_warmup",
                   "train.calibrate_steps", "train.nonfinite", "train.consistency_every",
+                  "train.cuda_graph",
                   "dist.timeout_s", "data.num_workers", "data.root", "data.download", "fault")
 
 

@@ -37,7 +37,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 PREPARE_MAX_BYTES = 2 * 2**30
 # A stream fetches the rest of an epoch at once up to this size (CIFAR-10 or synthetic at 32 px in
 # bf16: 0.31 GB), GATHER_CHUNK samples at a time; larger epochs (224 px synthetic: 15 GB) are
-# fetched per batch.
+# fetched per batch. At an epoch's start the previous epoch's buffer may still be held (by the
+# batch in use): up to twice this, per stream.
 EPOCH_GATHER_MAX_BYTES = 2 * 2**30
 GATHER_CHUNK = 16384
 
@@ -282,16 +283,31 @@ class DeviceBatches(BatchStream):
         # each batch as a view, no op at all: a small model's step is bounded by how fast the host
         # issues ops, and an augmented batch takes ~25 of them. Samples are fetched alike whatever
         # the batch they come in (augmentation is per sample), so the batches are the same.
-        whole = len(idx) * self.dataset.sample_bytes() <= EPOCH_GATHER_MAX_BYTES
+        whole = 0 < len(idx) and len(idx) * self.dataset.sample_bytes() <= EPOCH_GATHER_MAX_BYTES
         if whole:
-            parts = [self.dataset.fetch(idx[i:i + GATHER_CHUNK], keys)
-                     for i in range(0, len(idx), GATHER_CHUNK)]
-            xs, ys = (torch.cat(p) for p in zip(*parts)) if len(parts) > 1 else parts[0]
-            del parts
+            xs, ys = self._fetch_all(idx, keys)
         for b in range(n - start_batch):
             part = slice(b * self.batch_size, (b + 1) * self.batch_size)
             x, y = (xs[part], ys[part]) if whole else self.dataset.fetch(idx[part], keys)
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+    def _fetch_all(self, idx: torch.Tensor, keys) -> tuple[torch.Tensor, torch.Tensor]:
+        """`idx`'s samples, GATHER_CHUNK at a time (bounded temporaries) into one buffer."""
+        if len(idx) <= GATHER_CHUNK:
+            return self.dataset.fetch(idx, keys)
+        xs = ys = None
+        for i in range(0, len(idx), GATHER_CHUNK):
+            x, y = self.dataset.fetch(idx[i:i + GATHER_CHUNK], keys)
+            if xs is None:
+                layout = (torch.channels_last if x.dim() == 4 and not x.is_contiguous()
+                          and x.is_contiguous(memory_format=torch.channels_last)
+                          else torch.contiguous_format)
+                xs = torch.empty((len(idx), *x.shape[1:]), dtype=x.dtype, device=x.device,
+                                 memory_format=layout)
+                ys = y.new_empty((len(idx), *y.shape[1:]))
+            xs[i:i + len(x)], ys[i:i + len(y)] = x, y
+        return xs, ys
 
 
 class LoaderBatches(BatchStream):

@@ -103,9 +103,13 @@ class GraphedStep:
                 with torch.cuda.graph(self.graph):  # recorded, not run
                     self.out = self.fn(*self.static)
             except RuntimeError as e:
+                cause = e  # the capture's own end raises last: the first error says what happened
+                while cause.__context__ is not None:
+                    cause = cause.__context__
                 raise ConfigError(
                     "train.cuda_graph=true: capturing the training step failed (something in it "
                     "waits for the host or changes shape between steps); run with "
-                    f"train.cuda_graph=false. Error: {str(e).strip().splitlines()[0][:300]}") from e
+                    f"train.cuda_graph=false. Error: {str(cause).strip().splitlines()[0][:300]}"
+                ) from e
         self.graph.replay()
         return what, self.out

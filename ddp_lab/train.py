@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from ddp_lab import checkpoint, dist as ddp_dist, fault, guard
 from ddp_lab.config import ConfigError, register_configs, validate
 from ddp_lab.data import build_data
-from ddp_lab.graph import DeviceLR, GraphedStep, check_supported
+from ddp_lab.graph import EAGER_CALLS, DeviceLR, GraphedStep, check_supported
 from ddp_lab.metrics import StepTimer, make_logger, with_exposed_comm
 from ddp_lab.models import build_model
 from ddp_lab.optim import build_optimizer, build_scheduler, float_lrs
@@ -152,7 +152,8 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
     # disable=None: tqdm shows the bar only on a terminal; redirected output gets log lines instead.
     bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                disable=None if info.is_main and tcfg.progress else True, file=sys.stderr)
-    timer = StepTimer(device, warmup=tcfg.timing_warmup)
+    # With a graph, the eager calls before the capture are not timed either.
+    timer = StepTimer(device, warmup=max(tcfg.timing_warmup, EAGER_CALLS * tcfg.cuda_graph))
     comm_busy: list[float] = []  # per timed step, from the sync
     val_loss = val_acc = float("nan")
     loss_window = torch.zeros((), device=device)
@@ -242,12 +243,12 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
             if precision.scaler.is_enabled():
                 metrics["precision/loss_scale"] = precision.scaler.get_scale()
             logger.log(done, metrics)
-            speed = (f"{metrics['throughput/img_per_s']:.0f}" if clock_steps
+            speed = (f"{metrics['throughput/img_per_s']:.0f} img/s" if clock_steps
                      else "CUDA graph captured, not timed")
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", img_s=speed)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", speed=speed)
             if bar.disable:
-                log.info("step %d/%d: loss %.4f, %s img/s", done, total_steps,
-                         metrics["train/loss"], speed)
+                log.info("step %d/%d: loss %.4f, %s", done, total_steps, metrics["train/loss"],
+                         speed)
             loss_window.zero_()
             window_steps, clock_steps, clock_t0 = 0, 0, time.perf_counter()
 

@@ -164,6 +164,8 @@ def test_sets_too_large_to_prepare_are_normalised_per_batch(monkeypatch):
 
 @pytest.mark.parametrize("data, dtype", [("digits", torch.bfloat16),
                                          ("digits data.augment=true", torch.float32),
+                                         ("digits data.augment=true train.channels_last=true",
+                                          torch.float32),
                                          ("synthetic", torch.bfloat16)])
 @pytest.mark.parametrize("start_batch", [0, 3])
 def test_an_epoch_fetched_at_once_yields_the_per_batch_fetches(monkeypatch, data, dtype,
@@ -187,4 +189,13 @@ def test_an_epoch_fetched_at_once_yields_the_per_batch_fetches(monkeypatch, data
     for (xa, ya), (xb, yb) in zip(whole[0] + whole[1], per_batch[0] + per_batch[1]):
         assert xa._base is not None  # a view of the epoch's fetch
         assert xa.dtype == xb.dtype and torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert xa.stride() == xb.stride()  # the same layout (channels_last or not)
     assert whole[0][0][0].dtype == dtype
+
+
+def test_a_rank_with_an_empty_validation_shard_yields_no_batches():
+    """2 ranks, 1 validation sample: rank 1's shard is empty, its stream just ends."""
+    cfg = compose_config(["data=synthetic", "data.num_samples=300", "data.val_samples=1",
+                          "train.batch_size=32"])
+    assert list(build_data(cfg, 1, 2, torch.device("cpu")).val.epoch(0)) == []
+    assert len(list(build_data(cfg, 0, 2, torch.device("cpu")).val.epoch(0))) == 1
