@@ -291,7 +291,6 @@ class DeviceBatches(BatchStream):
             x, y = (xs[part], ys[part]) if whole else self.dataset.fetch(idx[part], keys)
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-
     def _fetch_all(self, idx: torch.Tensor, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """`idx`'s samples, GATHER_CHUNK at a time (bounded temporaries) into one buffer."""
         if len(idx) <= GATHER_CHUNK:

@@ -181,10 +181,10 @@ class Guard:
         # The L1 norms of the loss and of every gradient in one multi-tensor kernel (one read
         # pass), then GradScaler's check over those few norms (with a scale of 1: values
         # unchanged), which sets a zeroed flag to 1.0 if one is inf/NaN. A norm is inf/NaN iff
-        # some element is (or a tensor's finite values sum past fp32's range: skip that too). Few ops on
-        # purpose: a small model's step is bounded by how fast the host issues them (each op cost
-        # ~50 us of a 5 ms AlexNet-CIFAR step on the H200); one read pass, because in a CUDA
-        # graph (train.cuda_graph) bytes are what cost.
+        # some element is (or a tensor's finite values sum past fp32's range: skip that too).
+        # Few ops on purpose: a small model's step is bounded by how fast the host issues them
+        # (each op cost ~50 us of a 5 ms AlexNet-CIFAR step on the H200); one read pass, because
+        # in a CUDA graph (train.cuda_graph) bytes are what cost.
         norms = torch._foreach_norm([loss, *grads], 1, dtype=torch.float32)
         check = lambda tensors, flag: torch._amp_foreach_non_finite_check_and_unscale_(
             tensors, flag, self._one)

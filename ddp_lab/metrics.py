@@ -14,9 +14,6 @@ from collections import defaultdict
 
 import torch
 
-PHASES = ("data", "forward", "backward", "comm", "optim")
-
-
 class StepTimer:
     """Contiguous marks: each `mark(phase)` ends `phase` where the previous mark ended, so the
     phases of a step add up to its total by construction, and time the GPU sat idle waiting for the

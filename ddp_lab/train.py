@@ -162,8 +162,7 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
     stop_step = min(total_steps, tcfg.stop_at_step) if tcfg.stop_at_step else total_steps
     epoch = start_step // steps_per_epoch
     batches = data.train.epoch(epoch, start_batch=(start_step % steps_per_epoch) * tcfg.accum_steps)
-    model.train()
-    timer.restart()
+
     def compute_step(step: int, micro_batches: list, mark) -> None:
         """One optimizer step's device work: forward and backward of each micro-batch, gradient
         sync, guard, optimizer. With train.cuda_graph this is what is captured and replayed."""
@@ -189,9 +188,11 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     graphed = None
-    if tcfg.cuda_graph:  # inputs: the micro-batches, flattened (x0, y0, x1, y1, ...)
+    if tcfg.cuda_graph:  # inputs: the micro-batches, flattened; `step`: the loop's, read per call
         graphed = GraphedStep(lambda *t: compute_step(
             step + 1, list(zip(t[::2], t[1::2])), lambda phase: None))
+    model.train()
+    timer.restart()
     for step in range(start_step, stop_step):
         faults.on_step(step + 1)  # fault.* injection (tests, demos); off by default
         checks.begin_step(step + 1)

@@ -392,8 +392,8 @@ def run(cfg, run_dir: str) -> list[dict]:
                              f"{r['ddp_img_s'] / fp32[key]:.2f}x "
                              "(target >= 3x)")
     cols = ["stem", "precision", "channels_last", "compile", "cuda_graph", "batch", "ddp_img_s",
-            "bare_img_s", "ratio", "ratio_med", "ddp_step_ms", "ddp_tflops", "mfu_sheet", "mfu_gemm", "pred_mem_gb",
-            "peak_mem_gb", "ok"]
+            "bare_img_s", "ratio", "ratio_med", "ddp_step_ms", "ddp_tflops", "mfu_sheet",
+            "mfu_gemm", "pred_mem_gb", "peak_mem_gb", "ok"]
     if combos:
         report(rows, run_dir, "train_throughput", [c for c in cols if c in rows[0]],
                title=f"training throughput: {model}, ddp_lab loop vs bare PyTorch loop", notes=notes)
