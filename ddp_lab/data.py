@@ -8,9 +8,10 @@ as batch k of a single process with world_size times the per-rank batch. That is
 
 In-memory sets (digits, synthetic, CIFAR-10) live on the training device and are batched by
 indexing, so the loader never starves a GPU: normalised once in the compute dtype where that fits
-in PREPARE_MAX_BYTES and there is no augmentation, else as uint8 normalised per batch (synthetic:
-a pool of images in the compute dtype). Where the rest of an epoch fits in
-EPOCH_GATHER_MAX_BYTES it is fetched at once and batches are views of it.
+in PREPARE_MAX_BYTES, else as uint8 normalised per batch (synthetic: a pool of images in the
+compute dtype). A set to augment is normalised once with a border of black around each image, so
+a random crop and flip is one gather. Where the rest of an epoch fits in EPOCH_GATHER_MAX_BYTES it
+is fetched at once and batches are views of it.
 ImageFolder goes through a DataLoader with worker processes.
 """
 
@@ -41,6 +42,7 @@ PREPARE_MAX_BYTES = 2 * 2**30
 # batch in use): up to twice this, per stream.
 EPOCH_GATHER_MAX_BYTES = 2 * 2**30
 GATHER_CHUNK = 16384
+AUGMENT_PAD = 4  # CIFAR-style augmentation: a random 32 px crop of the image padded by 4, a flip
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ def sample_hash(*keys) -> torch.Tensor:
 
 class TensorImages:
     """Images as uint8 NCHW plus int64 labels, normalised (and resized) per batch on fetch, or
-    once for all (`prepare`)."""
+    once for all (`prepare`; with a border, for augmentation)."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int, mean, std,
                  image_size: int):
@@ -68,6 +70,8 @@ class TensorImages:
         self.std = torch.tensor(std).view(1, -1, 1, 1)
         self.image_size = image_size
         self.prepared = False
+        self.pad = 0  # prepared with a border of this many black pixels: batches are crops
+        self.dtype = torch.float32  # of the batches fetch returns
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -81,46 +85,65 @@ class TensorImages:
         self.images = self.images.contiguous(memory_format=torch.channels_last)
 
     def sample_bytes(self) -> int:
-        """Bytes of one fetched sample: as stored once prepared, else normalised fp32."""
-        if self.prepared:
-            return self.images[0].numel() * self.images.element_size()
-        return self.images.shape[1] * self.image_size**2 * 4
+        """Bytes of one fetched sample: as stored once prepared (cropped if padded), else
+        normalised fp32."""
+        return self.images.shape[1] * self.image_size**2 * self.dtype.itemsize
 
-    def prepared_bytes(self, dtype: torch.dtype) -> int:
-        return len(self) * self.images.shape[1] * self.image_size**2 * dtype.itemsize
+    def _stored_dtype(self, dtype: torch.dtype, pad: int) -> torch.dtype:
+        # A padded set smaller than the model's input is kept in fp32 and resized per crop (then
+        # cast): resizing rounded values would not be bitwise the per-batch path.
+        return dtype if not pad or self.images.shape[-1] == self.image_size else torch.float32
 
-    def prepare(self, dtype: torch.dtype, memory_format=torch.contiguous_format,
+    def prepared_bytes(self, dtype: torch.dtype, pad: int = 0) -> int:
+        side = self.image_size if not pad else self.images.shape[-1] + 2 * pad
+        return len(self) * self.images.shape[1] * side**2 * self._stored_dtype(dtype, pad).itemsize
+
+    def prepare(self, dtype: torch.dtype, memory_format=torch.contiguous_format, pad: int = 0,
                 chunk: int = 1024) -> None:
         """Normalise (and resize) every image once, kept in `dtype`: a batch is then a single
         indexing op instead of five or more, which matters where the host bounds the step (a small
         model). In the compute dtype under autocast these are bitwise the values the per-batch path
         hands the first convolution (which casts them to that dtype; every model here starts with
-        one). Augmentation works on the uint8 images, so an augmented set is not prepared.
-        `memory_format`: the layout batches should come in (no second full-size copy later)."""
+        one). `memory_format`: the layout batches should come in (no second full-size copy later).
+
+        `pad` > 0, for augmentation (`fetch` with draws): each image is kept at its stored size
+        inside a border of `pad` black pixels, normalised like the rest, so a random crop and flip
+        of a batch is one gather of normalised values (and a resize where the model's input is
+        larger). Black is 0 before normalising, as torchvision's RandomCrop(padding=4) pads it."""
         if self.prepared:
             raise RuntimeError("TensorImages.prepare: already prepared (it would normalise twice)")
-        out = torch.empty(len(self), self.images.shape[1], self.image_size, self.image_size,
-                          dtype=dtype, device=self.images.device, memory_format=memory_format)
-        for i in range(0, len(self), chunk):  # bounded fp32 temporaries
-            out[i:i + chunk] = self._normalize(self.images[i:i + chunk])
-        self.images, self.prepared = out, True
+        n, c, h, w = self.images.shape
+        size = (h + 2 * pad, w + 2 * pad) if pad else (self.image_size, self.image_size)
+        out = torch.empty(n, c, *size, dtype=self._stored_dtype(dtype, pad),
+                          device=self.images.device, memory_format=memory_format)
+        for i in range(0, n, chunk):  # bounded fp32 temporaries
+            x = self.images[i:i + chunk]
+            out[i:i + chunk] = (self._normalize(F.pad(x, (pad,) * 4), resize=False) if pad
+                                else self._normalize(x))
+        self.images, self.prepared, self.pad, self.dtype = out, True, pad, dtype
 
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+    def _normalize(self, x: torch.Tensor, resize: bool = True) -> torch.Tensor:
         x = (x.float().div_(255) - self.mean) / self.std
-        if x.shape[-1] != self.image_size:
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear",
-                              align_corners=False)
-        return x
+        return self._resize(x) if resize else x
 
-    def fetch(self, idx: torch.Tensor, augment_keys: tuple | None = None):
-        x = self.images[idx]
-        if self.prepared:
-            if augment_keys is not None:
-                raise RuntimeError("augmentation needs the uint8 images: this set was prepared")
+    def _resize(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == self.image_size:
+            return x
+        return F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear",
+                             align_corners=False)
+
+    def fetch(self, idx: torch.Tensor, draws: torch.Tensor | None = None):
+        """The samples `idx` (and their labels); `draws` (from `crop_flip_draws`, on idx's device):
+        augmented, which needs a set prepared with a border."""
+        if (draws is not None) != bool(self.pad):
+            raise RuntimeError("TensorImages.fetch: augmentation (draws) needs a set prepared "
+                               "with pad > 0, and such a set yields crops only")
+        if draws is not None:
+            x = self._resize(crop_flip(self.images, idx, draws, self.pad)).to(self.dtype)
             return x, self.labels[idx]
-        if augment_keys is not None:
-            x = random_crop_flip(x, idx, augment_keys)
-        return self._normalize(x), self.labels[idx]
+        if self.prepared:
+            return self.images[idx], self.labels[idx]
+        return self._normalize(self.images[idx]), self.labels[idx]
 
 
 class SyntheticImages:
@@ -150,22 +173,28 @@ class SyntheticImages:
     def sample_bytes(self) -> int:
         return self.pool[0].numel() * self.pool.element_size()
 
-    def fetch(self, idx: torch.Tensor, augment_keys: tuple | None = None):
+    def fetch(self, idx: torch.Tensor, draws: torch.Tensor | None = None):
         return self.pool[idx % len(self.pool)], self.labels[idx]
 
 
-def random_crop_flip(x: torch.Tensor, idx: torch.Tensor, keys: tuple, pad: int = 4) -> torch.Tensor:
-    """CIFAR-style augmentation on a uint8 batch: random crop after `pad` zero-padding, random flip."""
-    b, _, h, w = x.shape
-    # The three draws (salts 1, 2, 3) hashed together, broadcast to [3, b]: a third of the ops.
+def crop_flip_draws(idx: torch.Tensor, keys: tuple, pad: int = AUGMENT_PAD) -> torch.Tensor:
+    """[3, n] int64 on idx's device: each sample's crop offsets (rows, columns; 0..2*pad) and flip
+    (0/1), hashed from (keys..., sample index): the same on any device, whatever batch or rank the
+    sample comes in. The three draws (salts 1, 2, 3) are hashed together, broadcast to [3, n]."""
     draws = sample_hash(*keys, idx, torch.arange(1, 4, device=idx.device)[:, None])
-    dy, dx = draws[0] % (2 * pad + 1), draws[1] % (2 * pad + 1)
-    flip = (draws[2] & 1).bool()
-    xp = F.pad(x, (pad, pad, pad, pad))
-    rows = dy[:, None] + torch.arange(h, device=x.device)  # [b, h]
-    cols = dx[:, None] + torch.arange(w, device=x.device)  # [b, w]
-    cols = torch.where(flip[:, None], cols.flip(1), cols)
-    out = xp[torch.arange(b, device=x.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
+    return torch.stack([draws[0] % (2 * pad + 1), draws[1] % (2 * pad + 1), draws[2] & 1])
+
+
+def crop_flip(padded: torch.Tensor, idx: torch.Tensor, draws: torch.Tensor,
+              pad: int) -> torch.Tensor:
+    """CIFAR-style augmentation as one gather: sample idx[i] of `padded` (images with a `pad`-pixel
+    border), cropped at offsets draws[:2, i] to the unpadded size and mirrored if draws[2, i]."""
+    h, w = padded.shape[-2] - 2 * pad, padded.shape[-1] - 2 * pad
+    dy, dx, flip = draws
+    rows = dy[:, None] + torch.arange(h, device=padded.device)  # [b, h]
+    cols = dx[:, None] + torch.arange(w, device=padded.device)  # [b, w]
+    cols = torch.where(flip.bool()[:, None], cols.flip(1), cols)
+    out = padded[idx[:, None, None], :, rows[:, :, None], cols[:, None, :]]
     return out.permute(0, 3, 1, 2)  # [b,h,w,c] -> NCHW view, channels_last in memory
 
 
@@ -271,33 +300,39 @@ class DeviceBatches(BatchStream):
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         where = self.dataset.labels.device if isinstance(self.dataset, TensorImages) else self.device
         idx = torch.as_tensor(self.indices_for_epoch(epoch), dtype=torch.int64)  # once per epoch
+        n, b0 = self._batches_of(len(idx)), start_batch * self.batch_size
+        idx = idx[b0:min(len(idx), n * self.batch_size)]  # the samples this stream will yield
+        if self.augment_seed is not None:
+            # The augmentation's draws are hashed here, on the host, where the indices are: a
+            # dozen small ops fewer on the device, which a small model's step would wait for.
+            idx = torch.cat([idx[None], crop_flip_draws(idx, (self.augment_seed, epoch))])
         if torch.device(where).type == "cuda":
             # From pinned memory the copy is queued like a kernel; from pageable memory it would
             # wait for every queued step to finish first, draining the GPU at each epoch start.
             idx = idx.pin_memory()
         idx = idx.to(where, non_blocking=True)
-        keys = None if self.augment_seed is None else (self.augment_seed, epoch)
-        n, b0 = self._batches_of(len(idx)), start_batch * self.batch_size
-        idx = idx[b0:min(len(idx), n * self.batch_size)]  # the samples this stream will yield
+        idx, draws = (idx, None) if self.augment_seed is None else (idx[0], idx[1:])
         # Where the rest of the epoch fits, fetch it at once (in batch order, chunked) and cut
         # each batch as a view, no op at all: a small model's step is bounded by how fast the host
-        # issues ops, and an augmented batch takes ~25 of them. Samples are fetched alike whatever
+        # issues ops, and an augmented batch takes ~8 of them. Samples are fetched alike whatever
         # the batch they come in (augmentation is per sample), so the batches are the same.
         whole = 0 < len(idx) and len(idx) * self.dataset.sample_bytes() <= EPOCH_GATHER_MAX_BYTES
         if whole:
-            xs, ys = self._fetch_all(idx, keys)
+            xs, ys = self._fetch_all(idx, draws)
         for b in range(n - start_batch):
             part = slice(b * self.batch_size, (b + 1) * self.batch_size)
-            x, y = (xs[part], ys[part]) if whole else self.dataset.fetch(idx[part], keys)
+            x, y = (xs[part], ys[part]) if whole else self.dataset.fetch(
+                idx[part], None if draws is None else draws[:, part])
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def _fetch_all(self, idx: torch.Tensor, keys) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fetch_all(self, idx: torch.Tensor, draws) -> tuple[torch.Tensor, torch.Tensor]:
         """`idx`'s samples, GATHER_CHUNK at a time (bounded temporaries) into one buffer."""
         if len(idx) <= GATHER_CHUNK:
-            return self.dataset.fetch(idx, keys)
+            return self.dataset.fetch(idx, draws)
         xs = ys = None
         for i in range(0, len(idx), GATHER_CHUNK):
-            x, y = self.dataset.fetch(idx[i:i + GATHER_CHUNK], keys)
+            part = slice(i, i + GATHER_CHUNK)
+            x, y = self.dataset.fetch(idx[part], None if draws is None else draws[:, part])
             if xs is None:
                 layout = (torch.channels_last if x.dim() == 4 and not x.is_contiguous()
                           and x.is_contiguous(memory_format=torch.channels_last)
@@ -381,10 +416,16 @@ def build_data(cfg, rank: int, world_size: int, device) -> Data:
         for ds, augmented in ((train_set, augment_seed is not None), (val_set, False)):
             if isinstance(ds, TensorImages) and d.on_device:
                 ds.to(device)
-            if isinstance(ds, TensorImages) and not augmented:
-                size = ds.prepared_bytes(compute_dtype)
+            if isinstance(ds, TensorImages):
+                pad = AUGMENT_PAD if augmented else 0
+                size = ds.prepared_bytes(compute_dtype, pad)
                 if size <= PREPARE_MAX_BYTES:
-                    ds.prepare(compute_dtype, layout)
+                    ds.prepare(compute_dtype, layout, pad)
+                elif augmented:  # digits and CIFAR-10 need < 1 GB: only a new, larger set could
+                    raise ConfigError(f"data={d.name} with data.augment=true: {len(ds)} images "
+                                      f"would take {size / 1e9:.1f} GB prepared for augmentation "
+                                      f"(at most {PREPARE_MAX_BYTES / 1e9:.1f}); set "
+                                      "data.augment=false")
                 else:
                     log.info("data=%s: %d images at %d px would take %.1f GB normalised; "
                              "normalising per batch instead", d.name, len(ds), d.image_size,

@@ -164,6 +164,10 @@ def main():
         "eager bf16 cl s2d +loop all": dict(amp=bf16, cl=True, extras=loop, **s2d),
         "eager bf16 cl s2d graph": dict(amp=bf16, cl=True, graph=True, **s2d),
         "eager bf16 cl graph": dict(amp=bf16, cl=True, graph=True),
+        # In the graph: each piece of the loop's own work, captured with the step (timer events
+        # cannot be captured; the loop records them between replays).
+        **{f"graph +loop {e}": dict(amp=bf16, cl=True, graph=True, extras=(e,))
+           for e in loop if e != "events"},
         "compile bf16 cl": dict(amp=bf16, cl=True, compile_mode="default"),
         "compile bf16 cl +loop all": dict(amp=bf16, cl=True, compile_mode="default", extras=loop),
         "compile bf16 cl s2d": dict(amp=bf16, cl=True, compile_mode="default", **s2d),

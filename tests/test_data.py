@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ddp_lab.config import ConfigError
-from ddp_lab.data import build_data, load_digits, random_crop_flip
+from ddp_lab.data import build_data, crop_flip_draws, load_digits
 from helpers import compose_config
 
 
@@ -50,12 +50,41 @@ def test_resume_mid_epoch_yields_the_remaining_batches():
 
 def test_augmentation_is_a_function_of_sample_seed_and_epoch():
     train, _ = load_digits(32)
+    train.prepare(torch.float32, pad=4)
     idx = torch.arange(8)
-    a = random_crop_flip(train.images[idx], idx, (0, 0))
-    assert torch.equal(a, random_crop_flip(train.images[idx], idx, (0, 0)))
+    draws = crop_flip_draws(idx, (0, 0))
+    assert draws.shape == (3, 8) and 0 <= draws[:2].min() and draws[:2].max() <= 8
+    assert set(draws[2].tolist()) == {0, 1}  # some flipped, some not
+    a, _ = train.fetch(idx, draws)
+    assert torch.equal(a, train.fetch(idx, crop_flip_draws(idx, (0, 0)))[0])
     # sample 3 alone is augmented exactly as within the batch
-    assert torch.equal(a[3:4], random_crop_flip(train.images[idx[3:4]], idx[3:4], (0, 0)))
-    assert not torch.equal(a, random_crop_flip(train.images[idx], idx, (0, 1)))  # new epoch
+    assert torch.equal(a[3:4], train.fetch(idx[3:4], crop_flip_draws(idx[3:4], (0, 0)))[0])
+    assert not torch.equal(a, train.fetch(idx, crop_flip_draws(idx, (0, 1)))[0])  # new epoch
+    assert not torch.equal(a, train.fetch(idx, crop_flip_draws(idx, (1, 0)))[0])  # new seed
+    with pytest.raises(RuntimeError, match="pad > 0"):
+        train.fetch(idx)  # a set prepared for augmentation yields crops only
+
+
+@pytest.mark.parametrize("image_size, dtype", [(32, torch.bfloat16), (32, torch.float32),
+                                               (48, torch.bfloat16)])  # 48: resized per crop
+def test_augmented_crops_are_bitwise_those_of_the_uint8_images(image_size, dtype):
+    """The one-gather crop of the prepared, padded set equals the textbook order, sample by
+    sample: pad the uint8 image with black, crop, mirror, normalise in fp32, resize, round once
+    to the compute dtype (what autocast hands the first convolution)."""
+    plain, _ = load_digits(image_size)
+    prepared, _ = load_digits(image_size)
+    prepared.prepare(dtype, torch.channels_last, pad=4, chunk=100)
+    idx = torch.tensor([0, 5, 99, 100, 1436, 7, 7, 300, 1000, 12, 13, 14])
+    draws = crop_flip_draws(idx, (3, 2))
+    x, y = prepared.fetch(idx, draws)
+    assert x.dtype == dtype and x.shape == (12, 3, image_size, image_size)
+    assert torch.equal(y, plain.labels[idx])
+    for i, (dy, dx, flip) in zip(idx.tolist(), draws.t().tolist()):
+        img = torch.nn.functional.pad(plain.images[i], (4, 4, 4, 4))[:, dy:dy + 32, dx:dx + 32]
+        img = img.flip(-1) if flip else img
+        ref = plain._normalize(img[None]).to(dtype)
+        assert torch.equal(x[idx.tolist().index(i)][None], ref), (i, dy, dx, flip)
+    assert draws[0].unique().numel() > 2 and draws[2].unique().numel() == 2  # offsets vary
 
 
 def test_digits_split_is_fixed_and_sized():
@@ -142,13 +171,14 @@ def test_prepared_images_are_bitwise_the_per_batch_normalised_ones(image_size, d
 
 
 @pytest.mark.parametrize("augment", [False, True])
-def test_digits_are_prepared_in_the_compute_dtype_unless_augmented(augment):
+def test_digits_are_prepared_in_the_compute_dtype_augmented_or_not(augment):
     cfg = compose_config([f"data.augment={str(augment).lower()}", "precision=bf16",
                           "train.batch_size=16"])
     d = build_data(cfg, 0, 1, torch.device("cpu"))
-    assert d.train.dataset.prepared is not augment and d.val.dataset.prepared
-    assert next(d.train.epoch(0))[0].dtype == (torch.float32 if augment else torch.bfloat16)
-    assert next(d.val.epoch(0))[0].dtype == torch.bfloat16
+    assert d.train.dataset.prepared and d.val.dataset.prepared
+    assert d.train.dataset.pad == (4 if augment else 0) and d.val.dataset.pad == 0
+    assert next(d.train.epoch(0))[0].shape == (16, 3, 32, 32)
+    assert next(d.train.epoch(0))[0].dtype == next(d.val.epoch(0))[0].dtype == torch.bfloat16
 
 
 def test_sets_too_large_to_prepare_are_normalised_per_batch(monkeypatch):
@@ -160,12 +190,14 @@ def test_sets_too_large_to_prepare_are_normalised_per_batch(monkeypatch):
     assert ref.train.dataset.prepared and ref.val.dataset.prepared
     assert not d.train.dataset.prepared and d.val.dataset.prepared  # val: 360 images, fits
     assert torch.equal(next(d.train.epoch(1))[0], next(ref.train.epoch(1))[0])
+    with pytest.raises(ConfigError, match="data.augment=false"):  # augmentation needs it prepared
+        build_data(compose_config(["data.augment=true"]), 0, 1, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("data, dtype", [("digits", torch.bfloat16),
-                                         ("digits data.augment=true", torch.float32),
+                                         ("digits data.augment=true", torch.bfloat16),
                                          ("digits data.augment=true train.channels_last=true",
-                                          torch.float32),
+                                          torch.bfloat16),
                                          ("synthetic", torch.bfloat16)])
 @pytest.mark.parametrize("start_batch", [0, 3])
 def test_an_epoch_fetched_at_once_yields_the_per_batch_fetches(monkeypatch, data, dtype,
