@@ -101,13 +101,18 @@ def _run(tmp_path, name, overrides):
 
 @cuda
 @pytest.mark.timeout(300)
-def test_graphed_training_is_bitwise_the_eager_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting", [[], ["train.accum_steps=2"],
+                                     ["data=digits", "data.augment=true"]],
+                         ids=["synthetic", "accum_steps=2", "digits-augmented"])
+def test_graphed_training_is_bitwise_the_eager_run(tmp_path, monkeypatch, setting):
     """12 steps of a warm-up + cosine schedule: the same losses and weights, bit for bit, as the
-    eager loop. (cuDNN's deterministic algorithms on both sides: its default ones already
-    differ between two eager runs, by ~0.5% of the weights' movement after 12 steps.)"""
+    eager loop; with gradient accumulation (two static micro-batches) and with real augmented
+    data (fetched eagerly, copied into the static inputs) too. (cuDNN's deterministic algorithms
+    on both sides: its default ones already differ between two eager runs, by ~0.5% of the
+    weights' movement after 12 steps.)"""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
-    eager, e_rows, e_params = _run(tmp_path, "eager", [])
-    graph, g_rows, g_params = _run(tmp_path, "graph", ["train.cuda_graph=true"])
+    eager, e_rows, e_params = _run(tmp_path, "eager", setting)
+    graph, g_rows, g_params = _run(tmp_path, "graph", ["train.cuda_graph=true", *setting])
     assert [r["train/lr"] for r in g_rows] == pytest.approx([r["train/lr"] for r in e_rows],
                                                             rel=1e-6)
     assert len({r["train/lr"] for r in g_rows}) > 6  # the schedule moved, in the graph too
@@ -120,21 +125,31 @@ def test_graphed_training_is_bitwise_the_eager_run(tmp_path, monkeypatch):
 
 
 @cuda
-def test_a_non_finite_replayed_step_is_skipped_and_reported():
+@pytest.mark.parametrize("overlap", [False, True], ids=["after-backward", "during-backward"])
+def test_a_non_finite_replayed_step_is_skipped_and_reported(overlap):
+    """A NaN loss, then an inf gradient under a finite loss, in consecutive replays: both skipped
+    (parameters untouched) and reported with their cause. Both ways the guard reads the
+    gradients: at once after backward, and (train.cuda_graph's way) per gradient on a side stream
+    while backward runs."""
     from ddp_lab.guard import Guard
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = torch.nn.Linear(8, 4).to(dev)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     DeviceLR(opt)
-    guard = Guard(SimpleNamespace(nonfinite="skip", consistency_every=0), "none",
-                  SimpleNamespace(rank=0, world_size=1), model,
+    guard = Guard(SimpleNamespace(nonfinite="skip", consistency_every=0, cuda_graph=overlap),
+                  "none", SimpleNamespace(rank=0, world_size=1), model,
                   torch.amp.GradScaler("cuda", enabled=False), total_steps=100)
     step_no = [0]
+    grad_scale = torch.ones((), device=dev)  # inf: the first layer's gradients overflow
 
     def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        hidden = model[0](x)
+        hidden.register_hook(lambda g: g * grad_scale)  # runs in the graph too (captured)
+        loss = torch.nn.functional.mse_loss(model[2](model[1](hidden)), y)
+        guard.arm()
         loss.backward()
         guard.after_sync(step_no[0], loss, opt)
         opt.step()
@@ -142,16 +157,20 @@ def test_a_non_finite_replayed_step_is_skipped_and_reported():
 
     graphed = GraphedStep(step)
     x, y = torch.randn(16, 8, device=dev), torch.randn(16, 4, device=dev)
+    nan_loss, inf_grad = EAGER_CALLS + 2, EAGER_CALLS + 3  # two replays in a row
+    flags = {}
     for i in range(1, EAGER_CALLS + 5):
         step_no[0] = i
-        bad = i in (EAGER_CALLS + 2, EAGER_CALLS + 3)  # two replays in a row
+        grad_scale.fill_(float("inf") if i == inf_grad else 1.0)
         before = [p.detach().clone() for p in model.parameters()]
-        what, _ = graphed(x * float("nan") if bad else x, y)
+        what, _ = graphed(x * float("nan") if i == nan_loss else x, y)
         assert what == ("eager" if i <= EAGER_CALLS else
                         "captured" if i == EAGER_CALLS + 1 else "replayed")
         if what != "eager":
             guard.replayed(i)
+            flags[i] = guard.rank_flags(*guard._pending[-1][1:3]).flatten().tolist()
         same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        assert same == bad, i
+        assert same == (i in (nan_loss, inf_grad)), i
     guard.end_step(EAGER_CALLS + 4, sync_point=True)
-    assert guard.skipped == [EAGER_CALLS + 2, EAGER_CALLS + 3]
+    assert guard.skipped == [nan_loss, inf_grad]
+    assert flags[nan_loss] == [1.0, 0.0] and flags[inf_grad] == [0.0, 1.0]  # [loss, gradients]
