@@ -156,17 +156,6 @@ class Guard:
         self._one: torch.Tensor | None = None  # the check's scale, made on the first step's device
         self._captured: list | None = None  # train.cuda_graph: the captured step's entry
         _progress["sync"] = sync_name
-        # train.cuda_graph (one process, CUDA): the gradients' read pass overlaps backward.
-        self._overlap = bool(getattr(tcfg, "cuda_graph", False)) and info.world_size == 1
-        self._armed = False
-        if self._overlap:
-            params = [p for p in model.parameters() if p.requires_grad]
-            self._side = torch.cuda.Stream(params[0].device)
-            # [loss, one L1 norm per parameter's gradient]: fixed addresses, which a graph needs.
-            self._norms = torch.zeros(1 + len(params), device=params[0].device)
-            for i, p in enumerate(params, start=1):
-                p.register_post_accumulate_grad_hook(
-                    lambda p, i=i: self._grad_ready(p, self._norms[i]))
 
     def begin_step(self, step: int) -> None:
         """step is 1-based. A heartbeat in the c10d store: the rank that stops beating is named
@@ -174,26 +163,6 @@ class Guard:
         _progress["step"] = step
         if self._store is not None:
             self._store.set(_heartbeat_key(self.info.rank), str(step))
-
-    def arm(self) -> None:
-        """Before the backward that completes the step's gradients (the last micro-batch's).
-        With train.cuda_graph each gradient's L1 norm is then taken on a side stream as soon as
-        backward has made it, while backward goes on with the layers below: the read pass over
-        the gradients (AlexNet-CIFAR: 93 MB, ~25 us of a 1.4 ms graphed step on the H200) hides
-        behind the convolutions' backward instead of running after it. The hooks' launches cost
-        host time in eager steps, so otherwise this is a no-op and `after_sync` reads them all at
-        once."""
-        if self._overlap:
-            self._norms.zero_()  # a gradient that does not come stays 0: finite
-            self._armed = True
-
-    def _grad_ready(self, param: torch.Tensor, out: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        # Backward made this gradient on the current stream: the side stream reads it after.
-        self._side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._side):
-            torch.linalg.vector_norm(param.grad, 1, dtype=torch.float32, out=out)
 
     def after_sync(self, step: int, loss: torch.Tensor, optimizer) -> None:
         """Between the gradient sync and the optimizer step. No host sync: the verdict stays on
@@ -205,6 +174,7 @@ class Guard:
             scale = self.scaler._scale.clone()  # noqa: SLF001 - get_scale() would sync the host
             self._pending.append([step, None, None, scale, None])
             return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         loss = loss.detach()
         if self._one is None:
             self._one = torch.ones(1, device=loss.device)
@@ -215,16 +185,9 @@ class Guard:
         # Few ops on purpose: a small model's step is bounded by how fast the host issues them
         # (each op cost ~50 us of a 5 ms AlexNet-CIFAR step on the H200); one read pass, because
         # in a CUDA graph (train.cuda_graph) bytes are what cost.
+        norms = torch._foreach_norm([loss, *grads], 1, dtype=torch.float32)
         check = lambda tensors, flag: torch._amp_foreach_non_finite_check_and_unscale_(
             tensors, flag, self._one)
-        if self._armed:  # the gradients' norms were taken during backward (arm)
-            self._armed = False
-            torch.cuda.current_stream().wait_stream(self._side)
-            self._norms[0].copy_(loss)  # the loss itself: inf/NaN is all the check looks for
-            norms = [self._norms]
-        else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norms = torch._foreach_norm([loss, *grads], 1, dtype=torch.float32)
         if self.info.world_size == 1:
             found = torch.zeros(1, device=loss.device)
             check(norms, found)

@@ -174,8 +174,6 @@ def _train(cfg, run_dir, info, logger, resumed) -> dict:
                 if tcfg.accum_steps > 1:  # (one op fewer otherwise: small models are host-bound)
                     loss = loss / tcfg.accum_steps
                 mark("forward")
-                if last:
-                    checks.arm()  # train.cuda_graph: the guard reads gradients during backward
                 precision.scaler.scale(loss).backward()  # the last micro-step starts bucket syncs
                 mark("backward")
             loss_window.add_(loss.detach())

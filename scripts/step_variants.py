@@ -37,8 +37,7 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
           graph=False, stem="standard"):
     """One training step as a closure. `extras` adds the ddp_lab loop's own per-step pieces (the
     real classes, not copies): data (SyntheticImages indexing), guard (Guard.after_sync and
-    end_step), overlap (the guard as train.cuda_graph runs it: its read pass during backward),
-    events (StepTimer marks), loss (loss bookkeeping), sched (LambdaLR)."""
+    end_step), events (StepTimer marks), loss (loss bookkeeping), sched (LambdaLR)."""
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
@@ -57,8 +56,7 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
     images = SyntheticImages(50_000, size, classes, 256, 0, device, amp or torch.float32)
     images.to_channels_last() if cl else None
     perm = torch.randperm(50_000, device=device)
-    # "overlap": the guard as train.cuda_graph runs it, its read pass during backward (graph only)
-    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0, cuda_graph="overlap" in extras)
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0)
     info = SimpleNamespace(rank=0, world_size=1)
     checks = Guard(tcfg, "none", info, model, torch.amp.GradScaler(enabled=False), 10**9)
     timer = StepTimer(device, warmup=10**9)  # marks only: what they cost, not what they say
@@ -84,10 +82,9 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
         with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
             loss = F.cross_entropy(fwd(x), y)
         mark("forward")
-        checks.arm()  # a no-op unless "overlap"
         loss.backward()
         mark("backward")
-        if "guard" in extras or "overlap" in extras:
+        if "guard" in extras:
             checks.after_sync(state["i"], loss, opt)
         mark("comm")
         opt.step()
@@ -97,7 +94,7 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
         mark("optim")
         if "events" in extras:
             timer.end_step()
-        if "guard" in extras or "overlap" in extras:
+        if "guard" in extras:
             checks.end_step(state["i"], sync_point=False)
         if "loss" in extras:
             loss_window += loss.detach()
@@ -170,7 +167,7 @@ def main():
         # In the graph: each piece of the loop's own work, captured with the step (timer events
         # cannot be captured; the loop records them between replays).
         **{f"graph +loop {e}": dict(amp=bf16, cl=True, graph=True, extras=(e,))
-           for e in (*loop, "overlap") if e != "events"},
+           for e in loop if e != "events"},
         "compile bf16 cl": dict(amp=bf16, cl=True, compile_mode="default"),
         "compile bf16 cl +loop all": dict(amp=bf16, cl=True, compile_mode="default", extras=loop),
         "compile bf16 cl s2d": dict(amp=bf16, cl=True, compile_mode="default", **s2d),
