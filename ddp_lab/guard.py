@@ -7,8 +7,10 @@
   momentum and weight decay are untouched and the host never waits. fp16's GradScaler skips on
   its own (it sees the averaged gradients, so every rank skips alike). The
   verdicts are read at sync points (log steps, checkpoints, the end): `train.nonfinite=skip`
-  logs and counts the skipped steps, `stop` raises `NonFiniteError` naming the step and ranks.
-  `assert_finite` is the last line before a checkpoint: a NaN never reaches one.
+  logs and counts the skipped steps, `stop` raises `NonFiniteError` naming the step and ranks,
+  `off` checks nothing per step (the read pass costs ~3.5% of a graphed AlexNet-CIFAR step on the
+  H200) and applies every step. `assert_finite` is the last line before a checkpoint, whatever
+  the policy: a NaN never reaches one.
 * Replicas. Every `train.consistency_every` steps the ranks compare an exact checksum of their
   parameters (computed on the device, no copy to the host) and a divergence stops training with
   the ranks named.
@@ -170,9 +172,11 @@ class Guard:
         GradScaler uses); it is read later, at a sync point (resolve)."""
         if self.scaler.is_enabled():
             # fp16: the scaler finds inf/NaN gradients and skips by itself (a non-finite loss
-            # makes them so); keep its scale (a device tensor) to report the skip.
+            # makes them so), whatever the policy; keep its scale (a device tensor) to report it.
             scale = self.scaler._scale.clone()  # noqa: SLF001 - get_scale() would sync the host
             self._pending.append([step, None, None, scale, None])
+            return
+        if self.policy == "off":  # every step is applied; assert_finite still guards checkpoints
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         loss = loss.detach()
@@ -221,6 +225,8 @@ class Guard:
     def replayed(self, step: int) -> None:
         """train.cuda_graph: after a replay of the captured step. Its after_sync ran once, at
         capture, and every replay overwrites the same verdict tensors: keep this step's copy."""
+        if self.policy == "off":
+            return
         if self._captured is None:
             self._captured = self._pending.pop()
         _, found, loss, _, _ = self._captured

@@ -92,3 +92,39 @@ def test_sgd_without_momentum_skips_on_the_device_from_the_first_step():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     guard.end_step(1, sync_point=True)
     assert guard.skipped == [1]
+
+
+def test_off_policy_checks_nothing_per_step_and_applies_every_step():
+    model, opt, guard = setup("off")
+    backward(model)
+    opt.step()
+    opt.zero_grad()
+    before = state(model, opt)
+    loss = backward(model, "grad")
+    guard.after_sync(2, loss, opt)
+    assert guard._pending == [] and getattr(opt, "found_inf", None) is None  # no op at all
+    opt.step()
+    assert not torch.isfinite(model[1].bias).all()  # applied: the NaN went into the weights
+    assert not all(torch.equal(a, b) for a, b in zip(before, state(model, opt)))
+    guard.replayed(2)  # train.cuda_graph: nothing to copy out either
+    guard.end_step(2, sync_point=True)
+    assert guard.skipped == []
+
+
+def test_off_policy_still_refuses_to_checkpoint_a_nan(tmp_path):
+    """End to end, one process on CPU: the poisoned step is applied (nothing skipped), and the
+    checkpoint that would hold the NaN is refused, so the last one on disk stays finite."""
+    import os
+
+    from ddp_lab.train import train
+    from helpers import compose_config, free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cfg = compose_config(["data=synthetic", "data.num_samples=64", "data.val_samples=8",
+                          "train.batch_size=8", "train.max_steps=4", "train.checkpoint_every=2",
+                          "train.progress=false", "train.resume=never", "train.nonfinite=off",
+                          "fault.nan_at_step=3"])
+    with pytest.raises(NonFiniteError, match="refusing to checkpoint step 4"):
+        train(cfg, str(tmp_path))
+    ckpt = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert ckpt["step"] == 2 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
