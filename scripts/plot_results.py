@@ -3,7 +3,8 @@
     python scripts/plot_results.py docs/results/2026-12-03-h200
 
 - loop_vs_bare_*.csv (`python -m ddp_lab.bench.train_throughput`): img/s of the ddp_lab loop and
-  the bare loop per row -> loop_vs_bare.png
+  the bare loop per row -> loop_vs_bare.png (a file named *_nonfinite_off.csv: rows run with
+  `ddp_overrides=["train.nonfinite=off"]`)
 - train_<data>_g<cuda_graph>.json (`python -m ddp_lab.train`'s summary.json): img/s per data set,
   eager and graphed -> real_vs_synthetic.png
 """
@@ -20,10 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ddp_lab.bench.common import plot_bars  # noqa: E402
 
 
-def row_label(r: dict) -> str:
+def row_label(r: dict, path: str) -> str:
     net = "AlexNet" if r["model"] == "alexnet" else "AlexNet-CIFAR"
     extras = [name for name, key in (("s2d", "stem"), ("compile", "compile"), ("graph", "cuda_graph"))
               if r[key] in ("True", "space_to_depth")]
+    if path.endswith("_nonfinite_off.csv"):
+        extras.append("nonfinite=off")
+    # bf16 + channels_last unless said otherwise
+    if (r["precision"], r["channels_last"]) != ("bf16", "True"):
+        net += f" {r['precision']}" + (" CL" if r["channels_last"] == "True" else "")
     return f"{net} b{r['batch']}" + "".join(f"\n+{e}" for e in extras)
 
 
@@ -32,11 +38,11 @@ def main(results: str) -> None:
     for path in sorted(glob.glob(os.path.join(results, "loop_vs_bare_*.csv"))):
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
-                groups[row_label(r)] = {"ddp_lab loop": float(r["ddp_img_s"]),
+                groups[row_label(r, path)] = {"ddp_lab loop": float(r["ddp_img_s"]),
                                         "bare loop": float(r["bare_img_s"])}
     if groups:
         print(plot_bars(groups, os.path.join(results, "loop_vs_bare.png"), ylabel="img/s (log)",
-                        logy=True, title="ddp_lab loop vs bare PyTorch loop, bf16 + channels_last"))
+                        logy=True, title="ddp_lab loop vs bare PyTorch loop (bf16 + channels_last unless named)"))
     data = {}
     for path in sorted(glob.glob(os.path.join(results, "train_*_g*.json"))):
         name, graph = os.path.basename(path)[len("train_"):-len(".json")].rsplit("_g", 1)
