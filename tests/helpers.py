@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -18,6 +20,14 @@ from ddp_lab.train import CONF_DIR, _register_resolvers
 REPO = os.path.dirname(CONF_DIR)
 # Small, fast, deterministic runs: dropout off so ranks and world sizes are comparable.
 FAST = ["train.progress=false", "model.dropout=0", "train.timing_warmup=0", "train.calibrate_steps=0"]
+# The short end-to-end runs of test_train.py and test_sync_train.py, which share their two
+# references (one process on the whole batch; DDP on 2 ranks): see small_references in conftest.py.
+# Random images, not digits: digits' flat backgrounds put activations exactly on ReLU/max-pool
+# ties, where a 1e-9 rounding difference flips a discrete choice and two correct float32 runs part
+# by 1e-5 within a few steps. On random images the runs agree to ~1e-8.
+SMALL = FAST + ["data=synthetic", "data.num_samples=512", "data.val_samples=64",
+                "model.default_classes=10", "train.max_steps=3", "optim.warmup_steps=0",
+                "train.log_every=2", "train.resume=never"]
 
 
 def compose_config(overrides: list[str] = (), config_name: str = "config"):
@@ -53,6 +63,40 @@ def python_module(args: list[str], module: str = "ddp_lab.train", timeout: float
     cmd = [sys.executable, "-m", module, *args]
     return subprocess.run(cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_together(calls: dict, workers: int = 2) -> dict[object, Future]:
+    """Run independent launches (name -> zero-argument callable) `workers` at a time and return
+    name -> its finished Future: `.result()` is the launch's return value, or raises what it
+    raised (so one failed launch fails only the test that reads it). A launch leaves cores idle
+    much of its time (one process, torchrun's own start-up, a rank waiting at a barrier or on a
+    hung peer), and two of them side by side finish sooner than one after the other. Each keeps
+    its own timeout."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(fn) for name, fn in calls.items()}
+    return futures
+
+
+# Launches that need nothing but a directory (the benchmarks', bad commands' and injected faults'
+# one-shot runs of several modules), each declared with launch_together next to the tests that read
+# it. All of them run at once, two at a time, the first time a test needs one: the `together`
+# fixture of conftest.py. Declared at import, so every one is known once collection ends. Most are
+# one process (one core of two); together they keep both cores busy.
+# Name -> (the test modules that read it, cost, fn).
+TOGETHER: dict[str, tuple[tuple[str, ...], float, Callable]] = {}
+
+
+def launch_together(name: str, cost: float, used_by: tuple[str, ...] = ()):
+    """Decorator: `fn(directory) -> result` joins TOGETHER as `name`, run where one of `used_by`
+    (test module names; by default the module that declares it) has selected tests. `cost`: about
+    how many seconds it takes alone on a 2-core machine (the longest start first)."""
+    used_by = used_by or (sys._getframe(1).f_globals["__name__"],)
+
+    def add(fn):
+        assert name not in TOGETHER, f"two launches named {name}"
+        TOGETHER[name] = (used_by, cost, fn)
+        return fn
+    return add
 
 
 def check(proc) -> None:

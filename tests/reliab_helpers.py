@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import FAST, REPO, check, env
+from helpers import FAST, REPO, check, env, launch_together
 
 # 2 ranks x 8 = 16 samples per step, 48 samples: 3 steps per epoch, 6 steps in 2 epochs, so a stop
 # at step 4 (or 2) is mid-epoch. Random images (see test_train.py on why not digits). Dropout on:
@@ -25,12 +26,13 @@ TINY = [a for a in FAST if not a.startswith("model.dropout")] + [
 RESUME = TINY + ["model.dropout=0.5"]
 NO_DROPOUT = TINY + ["model.dropout=0"]
 
+HAVE_RING = os.path.exists(os.path.join(REPO, "conf", "sync", "ring.yaml"))
 SYNCS = [
     "ddp",
     pytest.param("ring", marks=pytest.mark.skipif(
-        not os.path.exists(os.path.join(REPO, "conf", "sync", "ring.yaml")),
-        reason="sync=ring is not available yet (no conf/sync/ring.yaml on this branch)")),
+        not HAVE_RING, reason="sync=ring is not available yet (no conf/sync/ring.yaml on this branch)")),
 ]
+SYNC_NAMES = ["ddp"] + ["ring"] * HAVE_RING  # the SYNCS that run here (for fixtures)
 
 
 def launch(args: list[str], nproc: int = 2, timeout: float = 180, launcher=None,
@@ -90,10 +92,18 @@ _references: dict = {}
 
 def reference(tmp_path_factory, sync: str, args=RESUME):
     """The uninterrupted run every resumed or restarted run must equal (one per session)."""
-    key = (sync, tuple(args))
-    if key not in _references:
-        run_dir = tmp_path_factory.mktemp(f"reference_{sync}")
-        check(launch(args + [f"sync={sync}", "train.checkpoint_every=6",
-                             f"hydra.run.dir={run_dir}"]))
-        _references[key] = run_dir
-    return _references[key]
+    if (sync, tuple(args)) not in _references:
+        make_reference(tmp_path_factory.mktemp(f"reference_{sync}"), sync, args)
+    return _references[(sync, tuple(args))]
+
+
+def make_reference(run_dir, sync: str, args=RESUME):
+    check(launch(args + [f"sync={sync}", "train.checkpoint_every=6", f"hydra.run.dir={run_dir}"]))
+    _references[(sync, tuple(args))] = run_dir
+    return run_dir
+
+
+# test_bad_input and test_faults read the DDP reference from the launches run together (conftest's
+# `together`), side by side with theirs; test_resume then finds it made.
+launch_together("reference_ddp", cost=40, used_by=("test_bad_input", "test_faults"))(
+    partial(make_reference, sync="ddp"))

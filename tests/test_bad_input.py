@@ -10,8 +10,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from ddp_lab.config import ConfigError, validate
-from helpers import compose_config
-from reliab_helpers import launch, reference
+from helpers import compose_config, launch_together
+from reliab_helpers import launch
 
 
 def assert_clean_failure(proc, needle: str, code: int = 2):
@@ -35,10 +35,33 @@ def snapshot(run_dir) -> dict:
     return files
 
 
+# ---- launches that need nothing but a directory: run with helpers.TOGETHER (conftest's `together`)
+
+@launch_together("bad_input_misspelled_value", cost=10)
+def _misspelled_value(tmp_path):
+    return launch(["train.resume=atuo", f"hydra.run.dir={tmp_path}"], nproc=0, timeout=120)
+
+
+@launch_together("bad_input_corrupted_data_root", cost=10)
+def _corrupted_data_root(tmp_path):
+    root = tmp_path / "cifar"
+    (root / "cifar-10-batches-py").mkdir(parents=True)
+    for name in ["data_batch_1", "test_batch", "batches.meta"]:
+        (root / "cifar-10-batches-py" / name).write_bytes(b"not a pickle")
+    return launch(["data=cifar10", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"],
+                  nproc=0, timeout=120)
+
+
+@launch_together("bad_input_run_dir_under_a_regular_file", cost=8)
+def _run_dir_under_a_regular_file(tmp_path):
+    (tmp_path / "file").write_text("keep me")
+    return launch([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], nproc=0, timeout=120)
+
+
 # ---- misspelled options and values ------------------------------------------------------------
 
-def test_misspelled_value_fails_clearly(tmp_path):
-    proc = launch(["train.resume=atuo", f"hydra.run.dir={tmp_path}"], nproc=0, timeout=120)
+def test_misspelled_value_fails_clearly(together):
+    proc, _ = together["bad_input_misspelled_value"].result()
     assert_clean_failure(proc, "train.resume='atuo' is not auto, never or an existing checkpoint")
 
 
@@ -79,13 +102,8 @@ def test_keep_every_not_a_multiple_of_checkpoint_every_fails_clearly():
 
 # ---- data that cannot be read -----------------------------------------------------------------
 
-def test_corrupted_data_root_fails_clearly(tmp_path):
-    root = tmp_path / "cifar"
-    (root / "cifar-10-batches-py").mkdir(parents=True)
-    for name in ["data_batch_1", "test_batch", "batches.meta"]:
-        (root / "cifar-10-batches-py" / name).write_bytes(b"not a pickle")
-    proc = launch(["data=cifar10", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"],
-                  nproc=0, timeout=120)
+def test_corrupted_data_root_fails_clearly(together):
+    proc, _ = together["bad_input_corrupted_data_root"].result()
     assert_clean_failure(proc, "Dataset not found or corrupted")
 
 
@@ -120,9 +138,9 @@ def test_fp16_scaler_that_would_disable_itself_is_refused(monkeypatch):
 # ---- run dirs ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
-def test_resuming_into_a_run_dir_of_an_incompatible_config_touches_nothing(tmp_path_factory):
+def test_resuming_into_a_run_dir_of_an_incompatible_config_touches_nothing(together):
     """A 2-rank run's dir, started again as one process with another learning rate."""
-    run = reference(tmp_path_factory, "ddp")
+    run = together["reference_ddp"].result()[0]
     before = snapshot(run)
     lr = compose_config([]).optim.lr
     proc = launch([f"hydra.run.dir={run}", "data=synthetic", f"optim.lr={lr * 2}"], nproc=0,
@@ -133,10 +151,9 @@ def test_resuming_into_a_run_dir_of_an_incompatible_config_touches_nothing(tmp_p
     assert snapshot(run) == before  # bytes and mtimes of every file, .hydra/ included
 
 
-def test_a_run_dir_under_a_regular_file_fails_clearly(tmp_path):
+def test_a_run_dir_under_a_regular_file_fails_clearly(together):
     """Works as root too (chmod does not stop root's writes; a path through a file stops anyone)."""
-    (tmp_path / "file").write_text("keep me")
-    proc = launch([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], nproc=0, timeout=120)
+    proc, tmp_path = together["bad_input_run_dir_under_a_regular_file"].result()
     assert_clean_failure(proc, "is not writable: Not a directory")
     assert (tmp_path / "file").read_text() == "keep me"
 

@@ -6,18 +6,30 @@ import os
 
 import pytest
 
-from helpers import check, compose_config, python_module, torchrun
+from helpers import check, compose_config, launch_together, python_module, torchrun
 
 COLUMNS = ["algo", "backend", "world_size", "dtype", "bytes", "time_us", "algbw_GBps",
            "busbw_GBps", "wrong"]
 
 
-@pytest.mark.timeout(200)
-def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(tmp_path):
-    proc = torchrun(["max_bytes=32768", "factor=8", "iters=2", "warmup=1",
-                     f"hydra.run.dir={tmp_path}"], module="ddp_lab.bench.allreduce", timeout=180)
+@launch_together("bench_allreduce", cost=12)
+def _two_gloo_ranks(run_dir):
+    return torchrun(["max_bytes=32768", "factor=8", "iters=2", "warmup=1",
+                     f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.allreduce", timeout=180)
+
+
+@launch_together("bench_allreduce_bad_option", cost=4)
+def _bad_option(run_dir):
+    return python_module(["algos=[ring,fast]", f"hydra.run.dir={run_dir}"],
+                         module="ddp_lab.bench.allreduce", timeout=50)
+
+
+# 300 s: the first test to read `together` (conftest.py) waits for all of its launches.
+@pytest.mark.timeout(300)
+def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(together):
+    proc, run_dir = together["bench_allreduce"].result()
     check(proc)
-    rows = [json.loads(line) for line in open(tmp_path / "allreduce.jsonl")]
+    rows = [json.loads(line) for line in open(run_dir / "allreduce.jsonl")]
     sizes = [8, 64, 512, 4096, 32768]
     assert len(rows) == 4 * len(sizes) * 2
     for r in rows:
@@ -28,9 +40,9 @@ def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(tmp_path):
     assert {(r["algo"], r["dtype"], r["bytes"]) for r in rows} == {
         (a, d, s) for a in ("naive", "ring", "tree", "native") for d in ("float32", "bfloat16")
         for s in sizes}
-    with open(tmp_path / "allreduce.csv") as f:
+    with open(run_dir / "allreduce.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
-    assert os.path.getsize(tmp_path / "allreduce_busbw.png") > 0
+    assert os.path.getsize(run_dir / "allreduce_busbw.png") > 0
     assert "busbw_GBps" in proc.stdout and "all results correct" in proc.stdout
 
 
@@ -45,9 +57,8 @@ def test_config_and_size_sweep():
     assert all(b == a * 2 for a, b in zip(nccl, nccl[1:])) and 64 << 20 in gloo
 
 
-@pytest.mark.timeout(60)
-def test_a_bad_option_is_one_line_and_exit_2(tmp_path):
-    proc = python_module(["algos=[ring,fast]", f"hydra.run.dir={tmp_path}"],
-                         module="ddp_lab.bench.allreduce", timeout=50)
+@pytest.mark.timeout(300)
+def test_a_bad_option_is_one_line_and_exit_2(together):
+    proc, _ = together["bench_allreduce_bad_option"].result()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == "error: algos: 'fast' is not one of naive, ring, tree, native"

@@ -6,6 +6,7 @@ import pytest
 
 from ddp_lab.bench.common import format_table, plot_lines, time_fn, write_rows
 from ddp_lab.comm.cost import bus_bandwidth, cost
+from helpers import launch_together
 
 
 def test_time_fn_returns_median_of_calls():
@@ -42,22 +43,28 @@ def test_cost_shapes():
     assert algbw == 2e9 and busbw == pytest.approx(3e9)
 
 
-def test_plot_results_draws_both_plots_from_the_recorded_device_outputs(tmp_path):
-    """scripts/plot_results.py on a copy of the committed H200 outputs: both PNGs, one bar
-    group per row of the benchmark CSVs."""
+@launch_together("plot_results", cost=5)
+def _plot_results(out):
+    """scripts/plot_results.py on a copy of the committed H200 outputs (PNGs left out)."""
     import shutil
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     src = os.path.join(root, "docs", "results", "2026-12-03-h200")
-    shutil.copytree(src, tmp_path / "r", ignore=shutil.ignore_patterns("*.png"))
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "plot_results.py"),
-                           str(tmp_path / "r")], capture_output=True, text=True, timeout=120)
+    shutil.copytree(src, out / "r", ignore=shutil.ignore_patterns("*.png"))
+    return subprocess.run([sys.executable, os.path.join(root, "scripts", "plot_results.py"),
+                           str(out / "r")], capture_output=True, text=True, timeout=120)
+
+
+def test_plot_results_draws_both_plots_from_the_recorded_device_outputs(together):
+    """scripts/plot_results.py on a copy of the committed H200 outputs: both PNGs, one bar
+    group per row of the benchmark CSVs."""
+    proc, out = together["plot_results"].result()
     assert proc.returncode == 0, proc.stderr
     for name in ("loop_vs_bare.png", "real_vs_synthetic.png"):
-        assert (tmp_path / "r" / name).stat().st_size > 10_000
-    rows = sum(len(list(csv.DictReader(open(p)))) for p in (tmp_path / "r").glob("*.csv"))
+        assert (out / "r" / name).stat().st_size > 10_000
+    rows = sum(len(list(csv.DictReader(open(p)))) for p in (out / "r").glob("*.csv"))
     assert rows == 8
 
 

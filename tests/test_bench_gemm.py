@@ -8,16 +8,29 @@ import pytest
 import torch
 
 from ddp_lab.bench import gemm
-from helpers import check, python_module
+from helpers import check, launch_together, python_module
+
+
+@launch_together("bench_gemm", cost=5)
+def _gemm(out):
+    return python_module(["device=cpu", "cpu_sizes=[64,96]", "cpu_dtypes=[fp32,tf32,bf16]",
+                          "numpy_compare=true", "numpy_n=128", "numpy_single_thread_n=64",
+                          "plot=true", f"hydra.run.dir={out}"], module="ddp_lab.bench.gemm",
+                         timeout=120)
+
+
+def _gemm_cuda(_):
+    return python_module(["device=cuda"], module="ddp_lab.bench.gemm", timeout=60)
+
+
+if not torch.cuda.is_available():  # (its test checks the no-GPU error)
+    launch_together("bench_gemm_cuda", cost=4)(_gemm_cuda)
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gemm")
-    check(python_module(["device=cpu", "cpu_sizes=[64,96]", "cpu_dtypes=[fp32,tf32,bf16]",
-                         "numpy_compare=true", "numpy_n=128", "numpy_single_thread_n=64",
-                         "plot=true", f"hydra.run.dir={out}"], module="ddp_lab.bench.gemm",
-                        timeout=120))
+def run_dir(together):
+    proc, out = together["bench_gemm"].result()
+    check(proc)
     return out
 
 
@@ -54,6 +67,6 @@ def test_float64_check_catches_a_wrong_result():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
-def test_cuda_without_a_gpu_is_one_clear_line():
-    proc = python_module(["device=cuda"], module="ddp_lab.bench.gemm", timeout=60)
+def test_cuda_without_a_gpu_is_one_clear_line(together):
+    proc, _ = together["bench_gemm_cuda"].result()
     assert proc.returncode == 2 and "error: device=cuda" in proc.stderr

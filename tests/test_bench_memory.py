@@ -4,17 +4,23 @@ import json
 
 import pytest
 
-from helpers import check, python_module
+from helpers import check, launch_together, python_module
 
 
-def test_cli_host_copy_rows(tmp_path):
-    check(python_module(["device=cpu", "cpu_sizes_mb=[1,8]", "iters=3", "plot=true",
-                         f"hydra.run.dir={tmp_path}"], module="ddp_lab.bench.memory", timeout=120))
-    rows = [json.loads(line) for line in open(tmp_path / "memory.jsonl")]
+@launch_together("bench_memory", cost=5)
+def _host_copy(run_dir):
+    return python_module(["device=cpu", "cpu_sizes_mb=[1,8]", "iters=3", "plot=true",
+                          f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.memory", timeout=120)
+
+
+def test_cli_host_copy_rows(together):
+    proc, run_dir = together["bench_memory"].result()
+    check(proc)
+    rows = [json.loads(line) for line in open(run_dir / "memory.jsonl")]
     assert [(r["kind"], r["size_mb"]) for r in rows] == [
         ("host_copy", 1), ("host_copy_1t", 1), ("host_copy", 8), ("host_copy_1t", 8)]
     for r in rows:
         assert r["ok"]
         assert r["bytes_counted"] == 2 * r["size_mb"] * 1e6  # read + write
         assert r["gbs"] == pytest.approx(r["bytes_counted"] / (r["time_ms"] / 1e3) / 1e9, rel=1e-9)
-    assert (tmp_path / "memory.png").exists()
+    assert (run_dir / "memory.png").exists()

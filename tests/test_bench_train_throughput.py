@@ -7,16 +7,22 @@ import os
 import pytest
 
 from ddp_lab.bench.train_throughput import is_tensor_core_kernel
-from helpers import check, python_module
+from helpers import check, launch_together, python_module
 
 
-def test_tiny_cpu_case_writes_both_loops(tmp_path):
-    check(python_module(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[8]", "cpu_steps=3",
-                         "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
-                         "profile=true", "profile_steps=1", "plot=true",
-                         f"hydra.run.dir={tmp_path}"], module="ddp_lab.bench.train_throughput",
-                        timeout=240))
-    rows = [json.loads(line) for line in open(tmp_path / "train_throughput.jsonl")]
+@launch_together("bench_train_throughput", cost=21)
+def _tiny_cpu_case(run_dir):
+    return python_module(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[8]", "cpu_steps=3",
+                          "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
+                          "profile=true", "profile_steps=1", "plot=true",
+                          f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.train_throughput",
+                         timeout=240)
+
+
+def test_tiny_cpu_case_writes_both_loops(together):
+    proc, run_dir = together["bench_train_throughput"].result()
+    check(proc)
+    rows = [json.loads(line) for line in open(run_dir / "train_throughput.jsonl")]
     assert len(rows) == 1
     r = rows[0]
     assert (r["model"], r["precision"], r["batch"], r["steps"]) == ("alexnet_cifar", "fp32", 8, 3)
@@ -27,15 +33,15 @@ def test_tiny_cpu_case_writes_both_loops(tmp_path):
     assert r["ddp_tflops"] == pytest.approx(r["gflop_per_img"] * r["ddp_img_s"] / 1e3)
     assert r["pred_mem_gb"] > 3 * 23_272_266 * 4 / 1e9  # weights + grads + momentum + more
     # The ddp_lab side really ran the training loop, in its own run dir, checkpoint removed.
-    ddp_dir = tmp_path / "ddp_lab" / "fp32_cl0_compile0_b8_r0"
+    ddp_dir = run_dir / "ddp_lab" / "fp32_cl0_compile0_b8_r0"
     summary = json.load(open(ddp_dir / "summary.json"))
     assert summary["timed_steps"] == 3 and summary["sync"] == "none" and summary["data"] == "synthetic"
     assert summary["train_img_per_s"] == pytest.approx(r["ddp_img_s"])
     assert not any(f.endswith(".pt") for f in os.listdir(ddp_dir))
     # Profiler pass (CPU ops on a CPU).
-    kernels = [json.loads(line) for line in open(tmp_path / "kernels.jsonl")]
+    kernels = [json.loads(line) for line in open(run_dir / "kernels.jsonl")]
     assert kernels and all(k["precision"] == "fp32" for k in kernels)
-    assert (tmp_path / "profile_summary.csv").exists() and (tmp_path / "train_throughput.png").exists()
+    assert (run_dir / "profile_summary.csv").exists() and (run_dir / "train_throughput.png").exists()
 
 
 @pytest.mark.parametrize("name, tc", [

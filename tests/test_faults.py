@@ -6,116 +6,137 @@ stop, never a NaN in a checkpoint), a diverged replica (stopped, ranks named).""
 
 import json
 import os
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from ddp_lab import guard
-from helpers import check, summary
-from reliab_helpers import (NO_DROPOUT, RESUME, SYNCS, assert_same_training_state, ckpt, launch,
-                            reference, train_log)
+from helpers import check, launch_together, summary
+from reliab_helpers import (NO_DROPOUT, RESUME, SYNC_NAMES, SYNCS, assert_same_training_state,
+                            ckpt, launch, train_log)
+
+
+# Each fault below needs one launch, and nothing from the others but the uninterrupted reference
+# (reliab_helpers.make_reference): they run with the other launches of helpers.TOGETHER
+# (conftest.py's `together`), two at a time; side by side, two launches fill the cores each leaves
+# idle in its start-up, and a hung run waits mostly idle for its timeout.
+KILLED = RESUME + ["sync=ddp", "train.checkpoint_every=2", "fault.kill_rank=1", "fault.at_step=5"]
+RESTARTABLE = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+HANG_TIMEOUT_S = 10
+HUNG = {sync: NO_DROPOUT + [f"sync={sync}", "train.max_steps=4", f"dist.timeout_s={HANG_TIMEOUT_S}",
+                            "fault.hang_rank=1", "fault.at_step=3", "fault.hang_s=150"]
+        for sync in SYNC_NAMES}
+NAN_SKIPPED = NO_DROPOUT + ["sync=ddp", "train.max_steps=2", "train.checkpoint_every=1",
+                            "train.keep_every=1", "fault.nan_at_step=2", "fault.nan_rank=1"]
+NAN_STOP = NO_DROPOUT + ["sync=ddp", "train.max_steps=4", "train.checkpoint_every=1",
+                         "train.nonfinite=stop", "fault.nan_at_step=3", "fault.nan_rank=1"]
+# Batch 2 per rank, not TINY's 8: fp16 autocast on the CPU takes seconds per sample (no fast fp16
+# kernels), and what is checked (the scaler's skip and halving on every rank) does not depend on it.
+FP16_INF = [a for a in NO_DROPOUT if not a.startswith("train.batch_size=")] + [
+    "train.batch_size=2", "sync=ddp", "precision=fp16", "train.max_steps=3",
+    "precision.init_scale=1024", "fault.nan_at_step=2", "fault.nan_rank=1", "fault.nan_value=inf"]
+DIVERGED = NO_DROPOUT + ["sync=ddp", "train.max_steps=4", "train.consistency_every=1",
+                         "train.checkpoint_every=1", "fault.perturb_rank=1", "fault.at_step=2"]
+# name: (overrides, launch timeout, torchrun's arguments, about how many seconds it takes alone)
+FAULTS = {"killed": (KILLED, 240, RESTARTABLE, 60),
+          **{f"hung_{sync}": (HUNG[sync], 150, None, 30) for sync in SYNC_NAMES},
+          "nan_skipped": (NAN_SKIPPED, 180, None, 20), "nan_stop": (NAN_STOP, 180, None, 20),
+          "fp16_inf": (FP16_INF, 180, None, 40), "diverged": (DIVERGED, 180, None, 20)}
+
+
+def _launch_fault(args, timeout, launcher, run_dir):
+    return launch(args + [f"hydra.run.dir={run_dir}"], timeout=timeout, launcher=launcher)
+
+
+for _name, (_args, _timeout, _launcher, _cost) in FAULTS.items():
+    launch_together(f"fault_{_name}", _cost)(partial(_launch_fault, _args, _timeout, _launcher))
 
 
 @pytest.mark.timeout(300)
-def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_path,
-                                                                          tmp_path_factory):
-    ref = reference(tmp_path_factory, "ddp")
-    run = tmp_path / "run"
-    proc = launch(RESUME + ["sync=ddp", f"hydra.run.dir={run}", "train.checkpoint_every=2",
-                            "fault.kill_rank=1", "fault.at_step=5"],
-                  launcher=["--standalone", "--nproc_per_node=2", "--max-restarts=1"], timeout=240)
+def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(together):
+    proc, run = together["fault_killed"].result()
     check(proc)
     assert "fault: killing rank 1 (SIGKILL) at step 5" in proc.stderr
     assert proc.stderr.count("fault: killing") == 1  # the restarted attempt runs clean
     assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
-    assert_same_training_state(run, ref)
+    assert_same_training_state(run, together["reference_ddp"].result()[0])
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("sync", SYNCS)
-def test_hung_rank_fails_the_job_within_the_timeout_naming_collective_and_rank(sync, tmp_path):
-    timeout_s = 10
-    proc = launch(NO_DROPOUT + [f"sync={sync}", f"hydra.run.dir={tmp_path}", "train.max_steps=4",
-                                f"dist.timeout_s={timeout_s}", "fault.hang_rank=1",
-                                "fault.at_step=3", "fault.hang_s=150"], timeout=150)
+def test_hung_rank_fails_the_job_within_the_timeout_naming_collective_and_rank(sync, together):
+    proc, _ = together[f"fault_hung_{sync}"].result()
     # rank 1 would sleep 150 s: ending well before proves rank 0 gave up and torchrun ended it
     assert proc.returncode != 0
     assert proc.elapsed < 90, proc.elapsed
     err = proc.stderr
     assert "fault: rank 1 hangs at step 3" in err
     line = next(l for l in err.splitlines() if l.startswith("error: rank 0: collective"))
-    assert f"timed out after dist.timeout_s={timeout_s}" in line, line
+    assert f"timed out after dist.timeout_s={HANG_TIMEOUT_S}" in line, line
     assert "at step 3" in line and "ranks behind: rank 1 (last began step 2)" in line, line
     if sync == "ddp":
         assert "gradient all-reduce inside backward (sync=ddp)" in line, line
     assert "Traceback" not in err.split("error: rank 0")[0]
 
 
-@pytest.mark.timeout(200)
-def test_fp32_nonfinite_step_is_skipped_on_every_rank(tmp_path):
+@pytest.mark.timeout(300)
+def test_fp32_nonfinite_step_is_skipped_on_every_rank(together):
     """NaN logits on rank 1 only at step 2: both ranks skip step 2 (an all-reduced decision),
     and the skip is a true no-op: parameters and momentum after step 2 equal those after step 1
     (that training moves them at all is test_train's and test_resume's business)."""
-    proc = launch(NO_DROPOUT + ["sync=ddp", f"hydra.run.dir={tmp_path}", "train.max_steps=2",
-                                "train.checkpoint_every=1", "train.keep_every=1",
-                                "fault.nan_at_step=2", "fault.nan_rank=1"])
+    proc, run = together["fault_nan_skipped"].result()
     check(proc)
-    s = summary(tmp_path)
+    s = summary(run)
     assert s["nonfinite_skipped_steps"] == 1 and s["rank_nonfinite_skipped_steps"] == [[2], [2]]
     assert len(set(s["rank_param_digests"])) == 1
     assert ("step 2: non-finite loss on rank(s) [1]; non-finite gradients on rank(s) [0, 1]; "
-            "step skipped on every rank") in train_log(tmp_path)
-    one, two = (ckpt(tmp_path / f"checkpoint_step{k}.pt") for k in (1, 2))
+            "step skipped on every rank") in train_log(run)
+    one, two = (ckpt(run / f"checkpoint_step{k}.pt") for k in (1, 2))
     for k in one["model"]:
         assert torch.equal(one["model"][k], two["model"][k]), k
     for i in one["optimizer"]["state"]:
         assert torch.equal(one["optimizer"]["state"][i]["momentum_buffer"],
                            two["optimizer"]["state"][i]["momentum_buffer"])
-    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows if r.get("train/loss") != r.get("train/loss")] == [2]  # NaN
 
 
-@pytest.mark.timeout(200)
-def test_fp32_nonfinite_stop_policy_fails_clearly_and_keeps_a_finite_checkpoint(tmp_path):
-    proc = launch(NO_DROPOUT + ["sync=ddp", f"hydra.run.dir={tmp_path}", "train.max_steps=4",
-                                "train.checkpoint_every=1", "train.nonfinite=stop",
-                                "fault.nan_at_step=3", "fault.nan_rank=1"])
+@pytest.mark.timeout(300)
+def test_fp32_nonfinite_stop_policy_fails_clearly_and_keeps_a_finite_checkpoint(together):
+    proc, run = together["fault_nan_stop"].result()
     assert proc.returncode != 0
     assert ("error: step 3: non-finite loss on rank(s) [1]; non-finite gradients on rank(s) "
             "[0, 1]; stopping (train.nonfinite=stop)") in proc.stderr
-    c = ckpt(tmp_path / "checkpoint.pt")
+    c = ckpt(run / "checkpoint.pt")
     assert c["step"] == 2
     assert all(torch.isfinite(v).all() for v in c["model"].values())
-    assert not (tmp_path / "summary.json").exists()
+    assert not (run / "summary.json").exists()
 
 
-@pytest.mark.timeout(200)
-def test_fp16_inf_is_skipped_by_the_scaler_on_every_rank_and_the_scale_halved(tmp_path):
-    proc = launch(NO_DROPOUT + ["sync=ddp", "precision=fp16", f"hydra.run.dir={tmp_path}",
-                                "train.max_steps=3", "precision.init_scale=1024",
-                                "fault.nan_at_step=2", "fault.nan_rank=1", "fault.nan_value=inf"])
+@pytest.mark.timeout(300)
+def test_fp16_inf_is_skipped_by_the_scaler_on_every_rank_and_the_scale_halved(together):
+    proc, run = together["fault_fp16_inf"].result()
     check(proc)
-    s = summary(tmp_path)
+    s = summary(run)
     assert s["precision"] == "fp16" and s["rank_nonfinite_skipped_steps"] == [[2], [2]]
     assert len(set(s["rank_param_digests"])) == 1
     scale = {r["step"]: r["precision/loss_scale"] for r in map(json.loads, open(
-        tmp_path / "metrics.jsonl")) if "precision/loss_scale" in r}
+        run / "metrics.jsonl")) if "precision/loss_scale" in r}
     assert scale == {1: 1024.0, 2: 512.0, 3: 512.0}
     assert "GradScaler found inf/NaN gradients, step skipped on every rank, loss scale 1024 -> 512" \
-        in train_log(tmp_path)
-    assert all(torch.isfinite(v).all() for v in ckpt(tmp_path / "checkpoint.pt")["model"].values())
+        in train_log(run)
+    assert all(torch.isfinite(v).all() for v in ckpt(run / "checkpoint.pt")["model"].values())
 
 
-@pytest.mark.timeout(200)
-def test_diverged_replica_stops_training_naming_the_rank(tmp_path):
+@pytest.mark.timeout(300)
+def test_diverged_replica_stops_training_naming_the_rank(together):
     """Rank 1's first parameter moves by one ulp before step 2; the checksum after step 2 sees it."""
-    proc = launch(NO_DROPOUT + ["sync=ddp", f"hydra.run.dir={tmp_path}", "train.max_steps=4",
-                                "train.consistency_every=1", "train.checkpoint_every=1",
-                                "fault.perturb_rank=1", "fault.at_step=2"])
+    proc, run = together["fault_diverged"].result()
     assert proc.returncode != 0
     assert "error: replicas diverged by step 2: rank(s) [1] differ from rank(s) [0]" in proc.stderr
-    assert ckpt(tmp_path / "checkpoint.pt")["step"] == 1  # the diverged step was not saved
+    assert ckpt(run / "checkpoint.pt")["step"] == 1  # the diverged step was not saved
 
 
 # ---- in-process ---------------------------------------------------------------------------------

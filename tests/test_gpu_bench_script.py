@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from helpers import REPO, env
+from helpers import REPO, env, launch_together
 
 SCRIPT = os.path.join(REPO, "scripts", "gpu_bench.sh")
 
@@ -23,15 +23,22 @@ def test_an_unknown_step_name_is_refused_before_anything_runs(tmp_path):
     assert "no step named 'gemmm'" in proc.stdout and not (tmp_path / "steps.tsv").exists()
 
 
-def test_only_runs_the_named_step_and_the_summary_ignores_stale_results(tmp_path):
-    stale = tmp_path / "train_stem"
+@launch_together("gpu_bench_only_train_cifar", cost=30)
+def _only_train_cifar_over_stale_results(out):
+    stale = out / "train_stem"
     stale.mkdir()
     (stale / "train_throughput.jsonl").write_text(json.dumps({"model": "stale_model_row"}) + "\n")
-    proc = run_bench(tmp_path, ONLY="train_cifar")
+    return run_bench(out, ONLY="train_cifar")
+
+
+def test_only_runs_the_named_step_and_the_summary_ignores_stale_results(together):
+    """A stale train_stem result is left in the output folder, then ONLY=train_cifar runs (with
+    the other launches of helpers.TOGETHER: conftest.py's `together`)."""
+    proc, out = together["gpu_bench_only_train_cifar"].result()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    steps = dict(line.split("\t")[:2] for line in (tmp_path / "steps.tsv").read_text().splitlines())
+    steps = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
     assert steps.pop("train_cifar") == "ok"
     assert set(steps.values()) == {"not selected"} and "train_stem" in steps
-    summary = (tmp_path / "summary.txt").read_text()
+    summary = (out / "summary.txt").read_text()
     assert "alexnet_cifar" in summary and "stale_model_row" not in summary
     assert "NOT OK" not in summary

@@ -6,6 +6,7 @@ always be loaded with weights_only=True and never runs code."""
 import os
 import random
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,61 +15,29 @@ import torch
 from ddp_lab import checkpoint
 from ddp_lab.config import ConfigError
 from ddp_lab.optim import lr_factor
-from helpers import check, compose_config, summary
-from reliab_helpers import (RESUME, SYNCS, assert_same_training_state, ckpt, launch, reference,
-                            train_log)
+from helpers import check, compose_config, run_together, summary
+from reliab_helpers import (RESUME, SYNC_NAMES, SYNCS, assert_same_training_state, ckpt, launch,
+                            reference, train_log)
 
 STOP = ["train.stop_at_step=4", "train.checkpoint_every=2", "train.keep_every=2"]
+AGAIN = [a for a in STOP if "stop_at_step" not in a]  # the same command without train.stop_at_step
 
 
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
-    """Per sync: a run stopped at step 4 (mid-epoch 1) and an untouched copy of its run dir."""
-    made = {}
-
-    def make(sync):
-        if sync not in made:
-            run = tmp_path_factory.mktemp(f"stopped_{sync}")
-            check(launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + STOP))
-            copy = tmp_path_factory.mktemp(f"stopped_{sync}_copy")
-            shutil.copytree(run, copy, dirs_exist_ok=True)
-            made[sync] = run, copy
-        return made[sync]
-    return make
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("sync", SYNCS)
-def test_stop_at_step_then_rerun_equals_uninterrupted_run(sync, stopped, tmp_path_factory):
-    ref = reference(tmp_path_factory, sync)
-    run, _ = stopped(sync)
-    s = summary(run)
-    assert s["steps"] == 4 and s["total_steps"] == 6 and s["stopped_early"]
+def _stop(tmp_path_factory, sync):
+    """A run stopped at step 4 (mid-epoch 1), and what it left: its summary, its files, the
+    position, learning rate and RNG states in its checkpoint."""
+    run = tmp_path_factory.mktemp(f"stopped_{sync}")
+    check(launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + STOP))
     c = ckpt(os.path.join(run, "checkpoint.pt"))
-    # the position: step 4 of 3-step epochs is epoch 1, batch 1; the schedule is the full run's
-    assert (c["step"], c["epoch"], c["epoch_batch"]) == (4, 1, 1)
-    assert c["scheduler"]["_last_lr"][0] == pytest.approx(
-        compose_config(RESUME).optim.lr * lr_factor(4, 0, 6, "cosine", 0.0), rel=1e-12)
-    assert len(c["rng"]) == 2 and {"torch", "python", "numpy"} <= set(c["rng"][1])
-    assert "checkpoint_step6.pt" not in os.listdir(run)
-    assert {"checkpoint_step2.pt", "checkpoint_step4.pt"} <= set(os.listdir(run))
-
-    # the same command without train.stop_at_step
-    check(launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"]
-                 + [a for a in STOP if "stop_at_step" not in a]))
-    assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
-    assert summary(run)["steps"] == 6 and not summary(run)["stopped_early"]
-    assert_same_training_state(run, ref)
+    return run, {"summary": summary(run), "files": set(os.listdir(run)),
+                 "position": (c["step"], c["epoch"], c["epoch_batch"]),
+                 "lr": c["scheduler"]["_last_lr"][0], "rng": c["rng"]}
 
 
-@pytest.mark.timeout(300)
-def test_damaged_checkpoints_are_refused_and_the_previous_good_one_used(stopped,
-                                                                        tmp_path_factory):
+def _damage_then_resume(run):
     """checkpoint.pt with one flipped byte in tensor data (torch.load would accept it),
-    checkpoint_step4.pt truncated, a temporary left by a save killed midway: the run resumes from
-    checkpoint_step2.pt (mid-epoch 0) and still ends equal to the uninterrupted run."""
-    ref = reference(tmp_path_factory, "ddp")
-    _, run = stopped("ddp")
+    checkpoint_step4.pt truncated, a temporary left by a save killed midway; then the same
+    command again."""
     latest, kept4 = os.path.join(run, "checkpoint.pt"), os.path.join(run, "checkpoint_step4.pt")
     with open(latest, "r+b") as f:
         f.seek(os.path.getsize(latest) // 2)
@@ -81,12 +50,73 @@ def test_damaged_checkpoints_are_refused_and_the_previous_good_one_used(stopped,
     stale = os.path.join(run, "checkpoint.pt.tmp.12345")
     with open(stale, "wb") as f:
         f.write(b"half a checkpoint")
-
     check(launch(RESUME + ["sync=ddp", f"hydra.run.dir={run}", "train.checkpoint_every=2"]))
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every launch of this module, in two rounds of independent runs started together, two at
+    a time (side by side, two launches fill the cores each leaves idle in its start-up):
+    1. per sync, the uninterrupted reference (reliab_helpers.reference, once per session) and a
+       run stopped at step 4 (`_stop`);
+    2. per sync, the stopped run's command again without train.stop_at_step, in its run dir; and
+       a copy of the ddp run dir as it was after round 1, damaged, resumed (`_damage_then_resume`).
+    Name -> Future: reference_<sync> (run dir), stopped_<sync> (run dir, what it left),
+    again_<sync> (launch result), damaged (run dir)."""
+    first = run_together({**{f"reference_{sync}": partial(reference, tmp_path_factory, sync)
+                             for sync in SYNC_NAMES},
+                          **{f"stopped_{sync}": partial(_stop, tmp_path_factory, sync)
+                             for sync in SYNC_NAMES}})
+    second = {}
+    for sync in SYNC_NAMES:
+        if first[f"stopped_{sync}"].exception() is None:  # else its test reports why
+            run, _ = first[f"stopped_{sync}"].result()
+            if sync == "ddp":  # copied before the run dir is resumed
+                copy = tmp_path_factory.mktemp("damaged")
+                shutil.copytree(run, copy, dirs_exist_ok=True)
+                second["damaged"] = partial(_damage_then_resume, copy)
+            second[f"again_{sync}"] = partial(
+                launch, RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + AGAIN)
+    return {**first, **run_together(second)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sync", SYNCS)
+def test_stop_at_step_then_rerun_equals_uninterrupted_run(sync, runs):
+    ref = runs[f"reference_{sync}"].result()
+    run, left = runs[f"stopped_{sync}"].result()
+    s = left["summary"]
+    assert s["steps"] == 4 and s["total_steps"] == 6 and s["stopped_early"]
+    # the position: step 4 of 3-step epochs is epoch 1, batch 1; the schedule is the full run's
+    assert left["position"] == (4, 1, 1)
+    assert left["lr"] == pytest.approx(
+        compose_config(RESUME).optim.lr * lr_factor(4, 0, 6, "cosine", 0.0), rel=1e-12)
+    assert len(left["rng"]) == 2 and {"torch", "python", "numpy"} <= set(left["rng"][1])
+    assert "checkpoint_step6.pt" not in left["files"]
+    assert {"checkpoint_step2.pt", "checkpoint_step4.pt"} <= left["files"]
+
+    # the same command without train.stop_at_step
+    check(runs[f"again_{sync}"].result())
+    assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
+    assert summary(run)["steps"] == 6 and not summary(run)["stopped_early"]
+    assert_same_training_state(run, ref)
+
+
+@pytest.mark.timeout(300)
+def test_damaged_checkpoints_are_refused_and_the_previous_good_one_used(runs):
+    """checkpoint.pt with one flipped byte in tensor data (torch.load would accept it),
+    checkpoint_step4.pt truncated, a temporary left by a save killed midway: the run resumes from
+    checkpoint_step2.pt (mid-epoch 0) and still ends equal to the uninterrupted run."""
+    ref = runs["reference_ddp"].result()
+    runs["stopped_ddp"].result()  # (its failure, if it failed)
+    run = runs["damaged"].result()
+    latest, kept4 = os.path.join(run, "checkpoint.pt"), os.path.join(run, "checkpoint_step4.pt")
     log = train_log(run)
     assert f"refusing checkpoint {latest} is corrupted" in log
     assert f"refusing checkpoint {kept4} is unreadable, truncated or corrupted" in log
-    assert "removed stale temporary" in log and not os.path.exists(stale)
+    assert "removed stale temporary" in log
+    assert not os.path.exists(os.path.join(run, "checkpoint.pt.tmp.12345"))
     assert f"resumed from {run}/checkpoint_step2.pt at step 2" in log
     assert_same_training_state(run, ref)
 

@@ -6,10 +6,9 @@ import csv
 import json
 import math
 import os
-
 import pytest
 
-from helpers import CONF_DIR, check, python_module
+from helpers import CONF_DIR, check, launch_together, python_module
 
 TINY = ["data.num_samples=512", "model.default_classes=10", "train.batch_size=8",
         "train.max_steps=6", "train.timing_warmup=2", "model.dropout=0"]
@@ -41,6 +40,50 @@ def sweep(tmp_path_factory):
                          "predict.sizes_kb=[4,64,1024,4096]", f"hydra.run.dir={out}"])
     check(proc)
     return out, proc
+
+
+# The other launches of this module (a failing sweep, a point past its timeout, a bad override,
+# emit, the simulation) need nothing but a directory: they run with the other launches of
+# helpers.TOGETHER (conftest.py's `together`), in one go before the first test that reads one,
+# never while the sweep runs (whose timings they would disturb): its tests come first here.
+# A missing sync (never launched), a point that fails at run time (too few samples for one step),
+# then a good point: the sweep finishes and reports all three.
+FAILING = ["nproc=[1]", "syncs=[nosuchsync,ddp]", "train.max_steps=3", "train.timing_warmup=1",
+           'sweep=["data.num_samples=4",""]', "simulate=false"]
+EMIT = {"torchrun": ["NNODES=2 NPROC=8", "scripts/multinode.sh", "NNODES=4"],
+        "slurm": ["sbatch --nodes=2 --gpus-per-node=8", "scripts/slurm.sbatch"]}
+
+
+@launch_together("scale_failing", cost=35)
+def _failing_points(run_dir):
+    return scale(TINY + FAILING + [f"hydra.run.dir={run_dir}"])
+
+
+@launch_together("scale_timeout", cost=8)
+def _point_past_its_timeout(run_dir):
+    return scale(TINY + ["nproc=[1]", "syncs=[ddp]", "point_timeout_s=2", "simulate=false",
+                         f"hydra.run.dir={run_dir}"], timeout=120)
+
+
+@launch_together("scale_bad_override", cost=4)
+def _bad_training_override(run_dir):
+    return scale(["train.batchsize=3", f"hydra.run.dir={run_dir}"], timeout=120)
+
+
+def _emit(emit):
+    return lambda run_dir: scale(["emit=" + emit, "nodes=[2,4]", "gpus_per_node=8", "syncs=[ddp]",
+                                  "model=alexnet", f"hydra.run.dir={run_dir}"], timeout=120)
+
+
+for _emit_name in EMIT:
+    launch_together(f"scale_emit_{_emit_name}", cost=5)(_emit(_emit_name))
+
+
+@launch_together("scale_simulation", cost=10)
+def _simulation(run_dir):
+    return scale(["simulate=only", "sim.world_sizes=[8,64,512]", "sim.models=[alexnet,resnet50]",
+                  "sim.networks=[ib100,eth25]", "sim.network=ib100", f"hydra.run.dir={run_dir}"],
+                 timeout=180)
 
 
 def test_sweep_writes_consistent_csv(sweep):
@@ -132,35 +175,30 @@ def test_predicted_bytes_equal_the_bytes_the_sync_sends(sweep, sync):
         assert predicted == pytest.approx(2 * (2 - 1) / 2 * params * 4)
 
 
-def test_failing_points_do_not_stop_the_sweep(tmp_path):
-    # A missing sync (never launched), a point that fails at run time (too few samples for one
-    # step), then a good point: the sweep finishes and reports all three.
-    proc = scale(TINY + ["nproc=[1]", "syncs=[nosuchsync,ddp]", "train.max_steps=3", "train.timing_warmup=1",
-                         'sweep=["data.num_samples=4",""]', "simulate=false",
-                         f"hydra.run.dir={tmp_path}"])
+def test_failing_points_do_not_stop_the_sweep(together):
+    proc, run_dir = together["scale_failing"].result()
     check(proc)
-    rows = {r["point"]: r for r in read_csv(tmp_path / "scaling.csv")}
+    rows = {r["point"]: r for r in read_csv(run_dir / "scaling.csv")}
     assert rows["n1-nosuchsync-data.num_samples_4"]["status"] == "missing"
     assert rows["n1-nosuchsync"]["status"] == "missing"
     failed = rows["n1-ddp-data.num_samples_4"]
     assert failed["status"] == "failed" and "fewer than one step" in failed["error"]
     assert rows["n1-ddp"]["status"] == "ok" and num(rows["n1-ddp"]["efficiency"]) == 1.0
-    assert "FAILED" in proc.stdout and "Points that did not run" in open(tmp_path / "report.md").read()
+    assert "FAILED" in proc.stdout and "Points that did not run" in open(run_dir / "report.md").read()
 
 
-def test_a_point_past_its_timeout_is_stopped(tmp_path):
-    proc = scale(TINY + ["nproc=[1]", "syncs=[ddp]", "point_timeout_s=2", "simulate=false",
-                         f"hydra.run.dir={tmp_path}"], timeout=120)
+def test_a_point_past_its_timeout_is_stopped(together):
+    proc, run_dir = together["scale_timeout"].result()
     check(proc)
-    (row,) = read_csv(tmp_path / "scaling.csv")
+    (row,) = read_csv(run_dir / "scaling.csv")
     assert row["status"] == "timeout" and "killed after 2 s" in row["error"]
-    assert os.path.exists(tmp_path / "scaling.png")
+    assert os.path.exists(run_dir / "scaling.png")
 
 
-def test_bad_training_override_fails_before_any_point(tmp_path):
-    proc = scale(["train.batchsize=3", f"hydra.run.dir={tmp_path}"], timeout=120)
+def test_bad_training_override_fails_before_any_point(together):
+    proc, run_dir = together["scale_bad_override"].result()
     assert proc.returncode == 2 and "batchsize" in proc.stderr
-    assert not os.path.exists(tmp_path / "points")
+    assert not os.path.exists(run_dir / "points")
 
 
 def test_strong_scaling_plan():
@@ -194,27 +232,21 @@ def test_strong_scaling_plan():
             ("none", 1, 16), ("ddp", 1, 16), ("ddp", 2, 16)]
 
 
-@pytest.mark.parametrize("emit, needles", [
-    ("torchrun", ["NNODES=2 NPROC=8", "scripts/multinode.sh", "NNODES=4"]),
-    ("slurm", ["sbatch --nodes=2 --gpus-per-node=8", "scripts/slurm.sbatch"]),
-])
-def test_emit_prints_multinode_commands(tmp_path, emit, needles):
-    proc = scale(["emit=" + emit, "nodes=[2,4]", "gpus_per_node=8", "syncs=[ddp]",
-                  "model=alexnet", f"hydra.run.dir={tmp_path}"], timeout=120)
+@pytest.mark.parametrize("emit", list(EMIT))
+def test_emit_prints_multinode_commands(together, emit):
+    proc, run_dir = together[f"scale_emit_{emit}"].result()
     check(proc)
-    for needle in needles + ["model=alexnet", "sync=ddp"]:
+    for needle in EMIT[emit] + ["model=alexnet", "sync=ddp"]:
         assert needle in proc.stdout, proc.stdout
-    assert not os.path.exists(tmp_path / "points")
+    assert not os.path.exists(run_dir / "points")
 
 
-def test_simulation_entry_point(tmp_path):
-    proc = scale(["simulate=only", "sim.world_sizes=[8,64,512]", "sim.models=[alexnet,resnet50]",
-                  "sim.networks=[ib100,eth25]", "sim.network=ib100", f"hydra.run.dir={tmp_path}"],
-                 timeout=180)
+def test_simulation_entry_point(together):
+    proc, run_dir = together["scale_simulation"].result()
     check(proc)
-    rows = read_csv(tmp_path / "simulation.csv")
+    rows = read_csv(run_dir / "simulation.csv")
     assert {r["network"] for r in rows} == {"ib100", "eth25"}
     assert {r["algo"] for r in rows} == {"naive", "ring", "hring", "tree"}
-    assert os.path.getsize(tmp_path / "simulation.png") > 0
+    assert os.path.getsize(run_dir / "simulation.png") > 0
     for needle in ("naive falls below 50%", "best bucket", "Sanity", "tree < ring below"):
         assert needle in proc.stdout

@@ -3,16 +3,15 @@ named references: torch DDP on the same 2 ranks (sync=ddp), and one process on t
 (sync=none, twice the per-rank batch). A torchrun launch is the slow part (~5-20 s each on 2
 shared cores), so the six runs cover every algorithm with overlap on and off, and put gradient
 accumulation (2 micro-steps of 8 instead of one of 16: the same 32 samples per step) on each
-algorithm once and on each overlap mode."""
+algorithm once and on each overlap mode. The six start from one fixture, two at a time: side by
+side, two launches fill the cores each leaves idle in its start-up."""
+
+from functools import cache, partial
 
 import pytest
 
-from helpers import FAST, check, final_params, max_abs_diff, summary, torchrun
+from helpers import SMALL, check, final_params, max_abs_diff, run_together, summary, torchrun
 
-# Random images, not digits (ReLU/max-pool ties on flat backgrounds, see test_train.py).
-SMALL = FAST + ["data=synthetic", "data.num_samples=512", "data.val_samples=64",
-                "model.default_classes=10", "train.max_steps=3", "optim.warmup_steps=0",
-                "train.log_every=3", "train.resume=never"]
 TOLERANCE = 1e-6
 
 RUNS = {  # id: overrides
@@ -34,21 +33,29 @@ def _launch(run_dir, overrides, nproc=2):
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    single = _launch(tmp_path_factory.mktemp("single"), ["sync=none"], nproc=1)
-    ddp = _launch(tmp_path_factory.mktemp("ddp"), ["sync=ddp"])
+def references(small_references):
+    """sync=none on 1 process x 32 and sync=ddp on 2 ranks x 16, helpers.SMALL as here: made once
+    per session (conftest.py), shared with test_train.py."""
+    single, ddp = small_references["single"], small_references["ddp"]
     return {"single": final_params(single), "ddp": final_params(ddp),
             "ddp_summary": summary(ddp)}
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every run of RUNS, two at a time: id -> Future of its run dir (raises if the run failed)."""
+    return run_together({run: partial(_launch, tmp_path_factory.mktemp(run), overrides)
+                         for run, overrides in RUNS.items()})
+
+
 @pytest.mark.timeout(280)
 @pytest.mark.parametrize("run", list(RUNS))
-def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, tmp_path):
-    _launch(tmp_path, RUNS[run])
-    s = summary(tmp_path)
+def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, launched):
+    run_dir = launched[run].result()
+    s = summary(run_dir)
     assert s["world_size"] == 2 and s["global_batch"] == 32 and s["sync"] == run.split("-")[0]
     assert len(set(s["rank_param_digests"])) == 1, "replicas differ"
-    got = final_params(tmp_path)
+    got = final_params(run_dir)
     moved = max_abs_diff(got, _initial())
     assert moved > 1e-3, "training did not move the parameters: the comparison would be empty"
     for ref in ("ddp", "single"):
@@ -60,6 +67,7 @@ def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, tmp_p
     assert s["comm_bytes_per_step"] == 4 * numel == references["ddp_summary"]["comm_bytes_per_step"]
 
 
+@cache
 def _initial():
     import torch
 

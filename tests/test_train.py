@@ -8,30 +8,25 @@ import sys
 import pytest
 import torch
 
-from helpers import (FAST, REPO, check, env, final_params, free_port, max_abs_diff, summary,
+from helpers import (REPO, SMALL, check, env, final_params, free_port, max_abs_diff, summary,
                      torchrun)
 
-# Random images, not digits: digits' flat backgrounds put activations exactly on ReLU/max-pool
-# ties, where a 1e-9 rounding difference flips a discrete choice and two correct float32 runs part
-# by 1e-5 within a few steps. On random images the runs agree to ~1e-8.
-SMALL = FAST + ["data=synthetic", "data.num_samples=512", "model.default_classes=10",
-                "train.max_steps=4", "optim.warmup_steps=0", "train.log_every=2"]
 TOLERANCE = 1e-6
 
 
 @pytest.fixture(scope="module")
-def single_process_reference(tmp_path_factory):
-    """One process on the whole batch (sync=none, batch 32): the reference for 2 ranks x 16."""
-    run_dir = tmp_path_factory.mktemp("single")
-    check(torchrun(SMALL + ["sync=none", "train.batch_size=32", f"hydra.run.dir={run_dir}"],
-                   nproc=1))
-    return run_dir
+def single_process_reference(small_references):
+    """One process on the whole batch (sync=none, batch 32): the reference for 2 ranks x 16.
+    Shared with test_sync_train.py (conftest.py)."""
+    return small_references["single"]
 
 
-def test_ddp_two_ranks_equal_single_process_on_the_whole_batch(single_process_reference, tmp_path):
-    check(torchrun(SMALL + ["sync=ddp", "train.batch_size=16", f"hydra.run.dir={tmp_path}"]))
-    ref, got = final_params(single_process_reference), final_params(tmp_path)
-    s = summary(tmp_path)
+def test_ddp_two_ranks_equal_single_process_on_the_whole_batch(single_process_reference,
+                                                               small_references):
+    """sync=ddp, 2 ranks x 16 (the run test_sync_train.py also compares its syncs against)."""
+    run = small_references["ddp"]
+    ref, got = final_params(single_process_reference), final_params(run)
+    s = summary(run)
     assert s["world_size"] == 2 and s["global_batch"] == 32
     assert len(set(s["rank_param_digests"])) == 1  # identical parameters on every rank
     diff = max_abs_diff(ref, got)
@@ -56,9 +51,10 @@ def test_outputs_of_a_run(single_process_reference):
     for key in ("world_size", "sync", "precision", "global_batch", "steps", "train_img_per_s",
                 "val_accuracy", "val_loss"):
         assert key in s
-    assert s["steps"] == 4 and s["sync"] == "none" and s["train_img_per_s"] > 0
+    assert s["steps"] == 3 and s["sync"] == "none" and s["train_img_per_s"] > 0
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    assert [r["step"] for r in rows if "train/loss" in r] == [2, 4]
+    # log_every=2 of 3 steps: step 2, and the last step's partial window
+    assert [r["step"] for r in rows if "train/loss" in r] == [2, 3]
     assert any("val/accuracy" in r for r in rows)
     ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=True)
     assert set(ckpt["model"]) == set(_initial_params())
