@@ -1,6 +1,7 @@
 """Where a training step's time goes: variants of one bare AlexNet step, timed side by side.
 
-    python scripts/step_variants.py [--net alexnet] [--batch 256] [--steps 50] [--only a,b] [--smoke]
+    python scripts/step_variants.py [--net alexnet] [--batch 256] [--steps 50] [--rounds 3]
+                                    [--only a,b] [--smoke]
 
 Each variant is the reference step (autocast forward, backward, fused SGD, zero_grad) with one
 thing changed or added; the table gives img/s and the ratio to the first (eager) row. "+loop"
@@ -59,7 +60,7 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
     tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0)
     info = SimpleNamespace(rank=0, world_size=1)
     checks = Guard(tcfg, "none", info, model, torch.amp.GradScaler(enabled=False), 10**9)
-    timer = StepTimer(device, warmup=10**9)  # marks only: what they cost, not what they say
+    timer = StepTimer(device, warmup=0)  # recorded and resolved each step, as in the loop
     timer.restart()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 1e6)
     loss_window = torch.zeros((), device=device)
@@ -142,6 +143,8 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times "
+                    "in turn; medians reported")
     ap.add_argument("--only", default="")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -149,7 +152,7 @@ def main():
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     if a.smoke:
-        a.net, a.batch, a.steps, a.warmup = "alexnet_cifar", 8, 2, 1
+        a.net, a.batch, a.steps, a.warmup, a.rounds = "alexnet_cifar", 8, 2, 1, 2
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
@@ -178,34 +181,54 @@ def main():
                                           **s2d),
     }
     if a.only:
+        # A variant's exact name selects just it; anything else, every variant containing it.
         keep = a.only.split(",")
-        variants = {k: v for k, v in variants.items() if any(s in k for s in keep)}
+        variants = {k: v for k, v in variants.items()
+                    if k in keep or any(s in k for s in keep if s not in variants)}
     if device.type == "cpu":
         variants = {k: v for k, v in variants.items() if "graph" not in k and "fp16" not in k}
-    rows = []
+    # Every variant is built first, then timed `--rounds` times in turn: the host's speed drifts
+    # by ~10% within minutes, and a ratio of rows timed far apart would measure that drift.
+    steps, rows = {}, {}
     for name, kw in variants.items():
-        t0 = time.perf_counter()
         try:
-            step = build(a.net, a.batch, device, **kw)
-            total_ms, med_ms = time_steps(step, device, a.steps, a.warmup)
+            steps[name] = build(a.net, a.batch, device, **kw)
         except Exception as e:  # one failing variant must not cost the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            rows.append({"variant": name, "error": str(e)[:300]})
-            continue
-        r = {"variant": name, "img_s": a.batch * a.steps / total_ms * 1e3,
-             "img_s_med": a.batch / med_ms * 1e3, "step_ms_med": med_ms,
-             "wall_s": time.perf_counter() - t0}
-        rows.append(r)
-        with open(os.path.join(a.out, "step_variants.json"), "w") as f:  # a timeout keeps these
-            json.dump({"net": a.net, "batch": a.batch, "steps": a.steps, "rows": rows}, f, indent=1)
-        print(f"{name}: {r['img_s']:.0f} img/s (median step {med_ms:.3f} ms, {r['wall_s']:.0f} s)",
-              flush=True)
-        if a.profile and device.type == "cuda" and name in ("eager bf16 cl s2d", "compile bf16 cl s2d"):
-            profile_top(step, device)
-        del step
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+            rows[name] = {"variant": name, "error": str(e)[:300]}
+    timed = {name: [] for name in steps}
+    for round_ in range(a.rounds):
+        for name, step in list(steps.items()):
+            t0 = time.perf_counter()
+            try:
+                total_ms, med_ms = time_steps(step, device, a.steps, a.warmup)
+            except Exception as e:  # e.g. a compile that fails on its first call
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                rows[name] = {"variant": name, "error": str(e)[:300]}
+                del steps[name], timed[name]
+                continue
+            timed[name].append((total_ms, med_ms))
+            print(f"round {round_ + 1}/{a.rounds} {name}: {a.batch * a.steps / total_ms * 1e3:.0f} "
+                  f"img/s (median step {med_ms:.3f} ms, {time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+        for name, times in timed.items():  # medians over the rounds so far (a timeout keeps them)
+            total_ms = statistics.median(t for t, _ in times)
+            med_ms = statistics.median(m for _, m in times)
+            rows[name] = {"variant": name, "img_s": a.batch * a.steps / total_ms * 1e3,
+                          "img_s_med": a.batch / med_ms * 1e3, "step_ms_med": med_ms,
+                          "rounds": len(times)}
+        with open(os.path.join(a.out, "step_variants.json"), "w") as f:
+            json.dump({"net": a.net, "batch": a.batch, "steps": a.steps,
+                       "rows": [rows[n] for n in variants if n in rows]}, f, indent=1)
+    if a.profile and device.type == "cuda":
+        for name in ("eager bf16 cl s2d", "compile bf16 cl s2d"):
+            if name in steps:
+                print(f"profile of {name}:")
+                profile_top(steps[name], device)
+    rows = [rows[n] for n in variants if n in rows]
     ref = next((r["img_s"] for r in rows if "img_s" in r), float("nan"))
-    print(f"\n{a.net}, batch {a.batch}, {a.steps} timed steps on {device}")
+    print(f"\n{a.net}, batch {a.batch}, {a.steps} timed steps on {device}, median of {a.rounds} "
+          "rounds")
     for r in rows:
         if "img_s" in r:
             print(f"{r['variant']:40} {r['img_s']:9.0f} img/s  {r['img_s'] / ref:6.3f}  "
