@@ -1,13 +1,14 @@
 """Where a training step's time goes: variants of one bare AlexNet step, timed side by side.
 
     python scripts/step_variants.py [--net alexnet] [--batch 256] [--steps 50] [--rounds 3]
-                                    [--only a,b] [--smoke]
+                                    [--only a,b] [--smoke] [--host-costs]
 
 Each variant is the reference step (autocast forward, backward, fused SGD, zero_grad) with one
 thing changed or added; the table gives img/s and the ratio to the first (eager) row. "+loop"
 variants add, one at a time, the per-step work the ddp_lab loop does on top of the reference
-(pool indexing of synthetic data, the non-finite guard, step-timer events, loss bookkeeping, the
-LR scheduler), so the loop's overhead can be attributed. `--smoke` runs a tiny CPU version.
+(the data stream's batches, the non-finite guard, step-timer events, loss bookkeeping, the
+LR scheduler), so the loop's overhead can be attributed; `--host-costs` times each of those
+pieces alone, in host microseconds a call. `--smoke` runs a tiny CPU version.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ddp_lab.bench.common import back_to_back_ms, sync  # noqa: E402
-from ddp_lab.data import SyntheticImages  # noqa: E402
+from ddp_lab.data import DeviceBatches, SyntheticImages  # noqa: E402
 from ddp_lab.graph import GraphedStep  # noqa: E402
 from ddp_lab.guard import Guard  # noqa: E402
 from ddp_lab.metrics import StepTimer  # noqa: E402
@@ -37,8 +38,9 @@ from ddp_lab.models import build_model  # noqa: E402
 def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit=None,
           graph=False, stem="standard"):
     """One training step as a closure. `extras` adds the ddp_lab loop's own per-step pieces (the
-    real classes, not copies): data (SyntheticImages indexing), guard (Guard.after_sync and
-    end_step), events (StepTimer marks), loss (loss bookkeeping), sched (LambdaLR)."""
+    real classes, not copies): data (DeviceBatches of SyntheticImages), guard (Guard.after_sync and
+    end_step), events (StepTimer marks), loss (loss bookkeeping), sched (LambdaLR). The closure's
+    `pieces` are those pieces alone, for host_costs."""
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
@@ -56,7 +58,9 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
     y0 = torch.randint(0, classes, (batch,), device=device)
     images = SyntheticImages(50_000, size, classes, 256, 0, device, amp or torch.float32)
     images.to_channels_last() if cl else None
-    perm = torch.randperm(50_000, device=device)
+    perm = torch.randperm(50_000).tolist()
+    stream = DeviceBatches(images, lambda epoch: perm, batch, device, True)  # the loop's own
+    batches = iter(())
     tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0)
     info = SimpleNamespace(rank=0, world_size=1)
     checks = Guard(tcfg, "none", info, model, torch.amp.GradScaler(enabled=False), 10**9)
@@ -67,10 +71,15 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
     state = {"i": 0}
 
     def data():
+        nonlocal batches
         if "data" not in extras:
             return x0, y0
-        i = state["i"] = (state["i"] + 1) % (50_000 // batch)
-        return images.fetch(perm[i * batch:(i + 1) * batch])
+        state["i"] += 1
+        x, y = next(batches, (None, None))
+        if x is None:  # a new epoch: one gather of all of it, then views (as in the loop)
+            batches = stream.epoch(0)
+            x, y = next(batches)
+        return x.contiguous(memory_format=fmt), y
 
     def mark(phase):
         if "events" in extras:
@@ -101,6 +110,25 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
             loss_window += loss.detach()
         return loss.detach()
 
+    def prime():  # gradients and a loss for the pieces to work on, as right after a backward
+        with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
+            loss = F.cross_entropy(fwd(x0), y0)
+        loss.backward()
+        state["loss"] = loss.detach()
+
+    def events():
+        for phase in ("data", "forward", "backward", "comm", "optim"):
+            timer.mark(phase)
+        timer.end_step()
+
+    step.prime = prime
+    step.pieces = {
+        "data": data, "events": events, "sched": sched.step,
+        "guard": lambda: (checks.after_sync(state["i"], state["loss"], opt),
+                          checks.end_step(state["i"], sync_point=False)),
+        "loss": lambda: loss_window.add_(state["loss"]),
+        "one tiny op": lambda: loss_window.add_(1),  # the unit: one op's host cost
+    }
     if not graph:
         return step
     graphed = GraphedStep(step)  # the training loop's train.cuda_graph: eager calls, then capture
@@ -114,6 +142,24 @@ def time_steps(step, device, steps, warmup):
     times, loss = back_to_back_ms(step, device, steps)
     assert torch.isfinite(loss).all(), "non-finite loss"
     return sum(times), statistics.median(times)
+
+
+def host_costs(step, device, calls: int = 100, warmup: int = 20) -> dict[str, float]:
+    """Host microseconds per call of each of the loop's per-step pieces, alone: the time to issue
+    `calls` calls back to back, without waiting for the GPU (few enough to stay within CUDA's
+    launch queue), so it is what the piece costs a host-bound step."""
+    step.prime()
+    out = {}
+    for name, piece in step.pieces.items():
+        for _ in range(warmup):
+            piece()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            piece()
+        out[name] = (time.perf_counter() - t0) / calls * 1e6
+        sync(device)
+    return out
 
 
 def profile_top(step, device, k=15):
@@ -148,6 +194,8 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--host-costs", action="store_true", help="only the host cost of each of the "
+                    "loop's pieces, alone (eager bf16, channels_last)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
@@ -158,6 +206,15 @@ def main():
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     bf16, fp16 = torch.bfloat16, torch.float16
     loop = ("data", "guard", "events", "loss", "sched")
+    if a.host_costs:
+        costs = host_costs(build(a.net, a.batch, device, amp=bf16, cl=True, extras=loop), device)
+        print(f"\nhost cost of the loop's pieces, {a.net} batch {a.batch} on {device}")
+        for name, us in costs.items():
+            print(f"{name:12} {us:8.1f} us a call")
+        with open(os.path.join(a.out, "host_costs.json"), "w") as f:
+            json.dump({"net": a.net, "batch": a.batch, "us_per_call": costs}, f, indent=1)
+        dist.destroy_process_group()
+        return
     s2d = dict(stem="space_to_depth")
     variants = {
         "eager bf16 cl": dict(amp=bf16, cl=True),

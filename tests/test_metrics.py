@@ -56,3 +56,35 @@ def test_exposed_comm_is_what_backward_and_comm_took_beyond_local_backward():
     assert with_exposed_comm(phases, 7.0, 1)["exposed_comm"] == 0.0  # never negative
     assert with_exposed_comm(phases, 2.0, 3)["backward_local"] == 6.0  # per micro-step x accum
     assert with_exposed_comm(phases, None, 1) == phases
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_marks_time_the_gpu_work_of_each_phase_and_recycle_their_events(monkeypatch):
+    """Phases whose GPU work alternates long/short from step to step, queued ahead of the GPU in
+    blocks of 8 steps: every step must see its own long phase (an event recycled while still
+    needed, such as the one that starts the next step, would give it another mark's time), and the
+    timer must reuse its events."""
+    made = []
+
+    class CountedEvent(torch.cuda.Event):
+        def __new__(cls, *args, **kwargs):
+            made.append(1)
+            return super().__new__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", CountedEvent)
+    long_cycles, short_cycles, steps = 2_000_000, 100_000, 40
+    timer = StepTimer(torch.device("cuda"), warmup=0)
+    timer.restart()
+    for i in range(steps):
+        for phase in ("a", "b"):
+            torch.cuda._sleep(long_cycles if (phase == "a") == (i % 2 == 0) else short_cycles)
+            timer.mark(phase)
+        timer.end_step()
+        if i % 8 == 7:  # the GPU catches up: the next end_step reads these steps, frees their events
+            torch.cuda.synchronize()
+    summary = timer.summary()
+    assert summary["timed_steps"] == steps
+    for i, step in enumerate(timer.steps):
+        long_, short = ("a", "b") if i % 2 == 0 else ("b", "a")
+        assert step[long_] > 5 * step[short], (i, step)
+    assert len(made) < steps  # 2 marks a step: without recycling, 2 * steps + 1 events
