@@ -58,10 +58,10 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
     y0 = torch.randint(0, classes, (batch,), device=device)
     images = SyntheticImages(50_000, size, classes, 256, 0, device, amp or torch.float32)
     images.to_channels_last() if cl else None
-    perm = torch.randperm(50_000).tolist()
+    perm = torch.randperm(50_000)
     stream = DeviceBatches(images, lambda epoch: perm, batch, device, True)  # the loop's own
     batches = iter(())
-    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0)
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0, cuda_graph=graph)
     info = SimpleNamespace(rank=0, world_size=1)
     checks = Guard(tcfg, "none", info, model, torch.amp.GradScaler(enabled=False), 10**9)
     timer = StepTimer(device, warmup=0)  # recorded and resolved each step, as in the loop

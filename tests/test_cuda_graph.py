@@ -136,7 +136,8 @@ def test_a_non_finite_replayed_step_is_skipped_and_reported():
                                 torch.nn.Linear(16, 4)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     DeviceLR(opt)
-    guard = Guard(SimpleNamespace(nonfinite="skip", consistency_every=0), "none",
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0, cuda_graph=True)
+    guard = Guard(tcfg, "none",
                   SimpleNamespace(rank=0, world_size=1), model,
                   torch.amp.GradScaler("cuda", enabled=False), total_steps=100)
     step_no = [0]

@@ -231,3 +231,17 @@ def test_a_rank_with_an_empty_validation_shard_yields_no_batches():
                           "train.batch_size=32"])
     assert list(build_data(cfg, 1, 2, torch.device("cpu")).val.epoch(0)) == []
     assert len(list(build_data(cfg, 0, 2, torch.device("cpu")).val.epoch(0))) == 1
+
+
+@pytest.mark.parametrize("n, world_size", [(10, 1), (10, 3), (7, 4), (2, 5), (50, 8)])
+def test_shard_indices_are_distributed_samplers(n, world_size):
+    """Including the padding: 7 samples over 4 ranks wrap around by 1; 2 over 5, by 3 (twice)."""
+    from torch.utils.data import DistributedSampler
+
+    from ddp_lab.data import shard_indices
+
+    for epoch in (0, 3):
+        for rank in range(world_size):
+            sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=11)
+            sampler.set_epoch(epoch)
+            assert shard_indices(n, rank, world_size, 11, epoch).tolist() == list(sampler)

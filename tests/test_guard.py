@@ -10,11 +10,13 @@ import torch
 from ddp_lab.guard import Guard, NonFiniteError
 
 
-def setup(policy="skip"):
+def setup(policy="skip", graphed=False):
+    """graphed: the guard of a train.cuda_graph run, which checks gradient norms (not values)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
-    guard = Guard(SimpleNamespace(nonfinite=policy, consistency_every=0), "none",
+    tcfg = SimpleNamespace(nonfinite=policy, consistency_every=0, cuda_graph=graphed)
+    guard = Guard(tcfg, "none",
                   SimpleNamespace(rank=0, world_size=1), model,
                   torch.amp.GradScaler("cpu", enabled=False), total_steps=10)
     return model, opt, guard
@@ -38,16 +40,18 @@ def state(model, opt):
         s["momentum_buffer"].clone() for s in opt.state.values()]
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("poison,row", [(None, None), ("grad", 1), ("grad_inf", 1), ("overflow", None),
                                         ("loss", 0)])
-def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poison, row):
-    model, opt, guard = setup()
+def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poison, row, graphed):
+    model, opt, guard = setup(graphed=graphed)
     backward(model)
     guard.after_sync(1, torch.tensor(1.0), opt)  # first step: momentum buffers get made
     opt.step()
     opt.zero_grad()
     before = state(model, opt)
     loss = backward(model, poison)
+    grads = [p.grad.clone() for p in model.parameters()]
     guard.after_sync(2, loss, opt)
     _, found, detail, _, _ = guard._pending[-1]
     expected = torch.zeros(2, 1)
@@ -55,6 +59,8 @@ def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poiso
         expected[row, 0] = 1
     assert torch.equal(guard.rank_flags(found, detail), expected)
     assert opt.found_inf is found and found.item() == (row is not None)  # decided on the device
+    if row is None:  # the check left the gradients bitwise as they were (eager: x 1.0 in place)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     opt.step()
     after = state(model, opt)
     same = all(torch.equal(a, b) for a, b in zip(before, after))
@@ -80,7 +86,8 @@ def test_sgd_without_momentum_skips_on_the_device_from_the_first_step():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, fused=True)
-    guard = Guard(SimpleNamespace(nonfinite="skip", consistency_every=0), "none",
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0, cuda_graph=False)
+    guard = Guard(tcfg, "none",
                   SimpleNamespace(rank=0, world_size=1), model,
                   torch.amp.GradScaler("cpu", enabled=False), total_steps=10)
     before = [p.clone() for p in model.parameters()]

@@ -80,7 +80,7 @@ def test_cuda_marks_time_the_gpu_work_of_each_phase_and_recycle_their_events(mon
             torch.cuda._sleep(long_cycles if (phase == "a") == (i % 2 == 0) else short_cycles)
             timer.mark(phase)
         timer.end_step()
-        if i % 8 == 7:  # the GPU catches up: the next end_step reads these steps, frees their events
+        if i % 8 == 7:  # the GPU catches up: the next end_step reads these, frees their events
             torch.cuda.synchronize()
     summary = timer.summary()
     assert summary["timed_steps"] == steps
