@@ -110,10 +110,16 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
             loss_window += loss.detach()
         return loss.detach()
 
-    def prime():  # gradients and a loss for the pieces to work on, as right after a backward
-        with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
-            loss = F.cross_entropy(fwd(x0), y0)
-        loss.backward()
+    def prime():
+        """Gradients and a loss for the pieces to work on, as right after the backward of a step
+        past the first (whose optimizer has state: the guard then decides on the device)."""
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext():
+                loss = F.cross_entropy(fwd(x0), y0)
+            loss.backward()
+            if not opt.state:
+                opt.step()
         state["loss"] = loss.detach()
 
     def events():

@@ -1,0 +1,39 @@
+"""scripts/step_variants.py on the CPU (--smoke): the ablation table and the host cost of each of
+the loop's pieces run end to end and write what they print."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO, check, env, free_port, launch_together
+
+SCRIPT = os.path.join(REPO, "scripts", "step_variants.py")
+
+
+def _run(args, out):
+    return subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args], cwd=REPO,
+                          env=env(MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=240)
+
+
+launch_together("step_variants_host_costs", cost=15)(lambda out: _run(["--host-costs"], out))
+launch_together("step_variants_rounds", cost=20)(
+    lambda out: _run(["--only", "eager bf16 cl,+loop all"], out))
+
+
+def test_host_costs_name_every_piece_of_the_loop(together):
+    proc, out = together["step_variants_host_costs"].result()
+    check(proc)
+    costs = json.load(open(out / "host_costs.json"))["us_per_call"]
+    assert set(costs) == {"data", "events", "sched", "guard", "loss", "one tiny op"}
+    assert all(us > 0 for us in costs.values())
+    assert "host cost of the loop's pieces" in proc.stdout
+
+
+def test_exact_names_select_variants_timed_over_rounds(together):
+    proc, out = together["step_variants_rounds"].result()
+    check(proc)
+    rows = json.load(open(out / "step_variants.json"))["rows"]
+    assert [r["variant"] for r in rows] == ["eager bf16 cl", "+loop all"]  # not "... s2d" too
+    assert all(r["rounds"] == 2 and r["img_s"] > 0 for r in rows)
+    assert "median of 2 rounds" in proc.stdout
