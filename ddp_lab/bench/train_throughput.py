@@ -18,7 +18,9 @@ The two sides of a row:
   step boundary (no host sync inside the timed steps), warm-up steps left out.
 img/s = batch * steps / sum(step times) for both (`ratio`), and batch / median step (`ratio_med`).
 The ddp side also pays for what a real loop does: indexing its data pool, labels, LR schedule,
-loss bookkeeping, a step timer; the ratio is that overhead.
+loss bookkeeping, a step timer; the ratio is that overhead. Where the host bounds the step (a
+small model, eager), the ratio moves by up to ±8% from run to run on a shared host; pinned to one
+core (`taskset -c N python -m ddp_lab.bench.train_throughput ...`) it held within 2% on the H200's.
 
 MFU = achieved / peak, achieved = FLOPs per image per training step (counted by
 `ddp_lab.cost.compute`) x img/s; `mfu_sheet` against the datasheet peak of the precision,
