@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -49,20 +52,40 @@ def env(**extra) -> dict:
     return e
 
 
+def run_cmd(cmd: list[str], timeout: float, extra_env=None):
+    """Run `cmd` to completion in a session of its own, from the repo root. On timeout the whole
+    process group is killed (torchrun's workers, a script's children: nothing outlives the test,
+    and nothing holds the output pipes open) and the test fails with the output's tails. Returns
+    .returncode, .stdout, .stderr and .elapsed (seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(**(extra_env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {cmd}\n{out[-3000:]}\n{err[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed job
+        except ProcessLookupError:
+            pass
+    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err,
+                           elapsed=time.monotonic() - t0)
+
+
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, extra_env=None,
              launcher_args: list[str] | None = None, module: str = "ddp_lab.train"):
     """Run `torchrun ... -m module args` to completion (or kill it at `timeout`)."""
     launcher = launcher_args or ["--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", module, *args]
-    return subprocess.run(cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cmd([sys.executable, "-m", "torch.distributed.run", *launcher, "-m", module, *args],
+                   timeout, extra_env)
 
 
 def python_module(args: list[str], module: str = "ddp_lab.train", timeout: float = 240,
                   extra_env=None):
-    cmd = [sys.executable, "-m", module, *args]
-    return subprocess.run(cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cmd([sys.executable, "-m", module, *args], timeout, extra_env)
 
 
 def run_together(calls: dict, workers: int = 2) -> dict[object, Future]:

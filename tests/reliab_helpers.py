@@ -5,17 +5,12 @@ and the uninterrupted reference runs, made once per session."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import FAST, REPO, check, env, launch_together
+from helpers import FAST, REPO, check, launch_together, python_module, torchrun
 
 # 2 ranks x 8 = 16 samples per step, 48 samples: 3 steps per epoch, 6 steps in 2 epochs, so a stop
 # at step 4 (or 2) is mid-epoch. Random images (see test_train.py on why not digits). Dropout on:
@@ -37,29 +32,11 @@ SYNC_NAMES = ["ddp"] + ["ring"] * HAVE_RING  # the SYNCS that run here (for fixt
 
 def launch(args: list[str], nproc: int = 2, timeout: float = 180, launcher=None,
            module: str = "ddp_lab.train", extra_env=None):
-    """torchrun (or, with nproc=0, plain python) -m module args, in its own session: on timeout
-    the whole group is killed, so no worker outlives the test. Adds .elapsed (seconds)."""
+    """torchrun (or, with nproc=0, plain python) -m module args; on timeout the whole group is
+    killed (helpers.run_cmd)."""
     if nproc:
-        launcher = launcher or ["--standalone", f"--nproc_per_node={nproc}"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", module, *args]
-    else:
-        cmd = [sys.executable, "-m", module, *args]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(**(extra_env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {cmd}\n{out[-3000:]}\n{err[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed job
-        except ProcessLookupError:
-            pass
-    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err,
-                           elapsed=time.monotonic() - t0)
+        return torchrun(args, nproc, timeout, extra_env, launcher, module)
+    return python_module(args, module, timeout, extra_env)
 
 
 def ckpt(path) -> dict:

@@ -6,7 +6,7 @@ import pytest
 
 from ddp_lab.bench.common import format_table, plot_lines, time_fn, write_rows
 from ddp_lab.comm.cost import bus_bandwidth, cost
-from helpers import launch_together
+from helpers import launch_together, run_cmd
 
 
 def test_time_fn_returns_median_of_calls():
@@ -47,14 +47,13 @@ def test_cost_shapes():
 def _plot_results(out):
     """scripts/plot_results.py on a copy of the committed H200 outputs (PNGs left out)."""
     import shutil
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     src = os.path.join(root, "docs", "results", "2026-12-03-h200")
     shutil.copytree(src, out / "r", ignore=shutil.ignore_patterns("*.png"))
-    return subprocess.run([sys.executable, os.path.join(root, "scripts", "plot_results.py"),
-                           str(out / "r")], capture_output=True, text=True, timeout=120)
+    return run_cmd([sys.executable, os.path.join(root, "scripts", "plot_results.py"),
+                    str(out / "r")], 120)
 
 
 def test_plot_results_draws_both_plots_from_the_recorded_device_outputs(together):

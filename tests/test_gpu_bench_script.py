@@ -4,17 +4,15 @@ not what an earlier run left in the output folder."""
 
 import json
 import os
-import subprocess
 import sys
 
-from helpers import REPO, env, launch_together
+from helpers import REPO, launch_together, run_cmd
 
 SCRIPT = os.path.join(REPO, "scripts", "gpu_bench.sh")
 
 
 def run_bench(out, **extra):
-    return subprocess.run(["bash", SCRIPT, str(out)], capture_output=True, text=True, timeout=300,
-                          env=env(PYTHON=sys.executable, SMOKE="1", **extra))
+    return run_cmd(["bash", SCRIPT, str(out)], 300, dict(PYTHON=sys.executable, SMOKE="1", **extra))
 
 
 def test_an_unknown_step_name_is_refused_before_anything_runs(tmp_path):

@@ -3,17 +3,16 @@ the loop's pieces run end to end and write what they print."""
 
 import json
 import os
-import subprocess
 import sys
 
-from helpers import REPO, check, env, free_port, launch_together
+from helpers import REPO, check, free_port, launch_together, run_cmd
 
 SCRIPT = os.path.join(REPO, "scripts", "step_variants.py")
 
 
 def _run(args, out):
-    return subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args], cwd=REPO,
-                          env=env(MASTER_PORT=str(free_port())), capture_output=True, text=True, timeout=240)
+    return run_cmd([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args], 240,
+                   {"MASTER_PORT": str(free_port())})
 
 
 launch_together("step_variants_host_costs", cost=15)(lambda out: _run(["--host-costs"], out))
