@@ -7,6 +7,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def base_temp_dir_first(tmp_path_factory):
+    """pytest's base temporary directory, made before any test. Fixtures make run dirs from
+    launcher threads (helpers.run_together), and TempPathFactory is not thread-safe: two threads
+    making the base at once made two, and one thread's mktemp then failed ("not a normalized and
+    relative path")."""
+    tmp_path_factory.getbasetemp()
+
+
 @pytest.fixture(scope="session")
 def small_references(tmp_path_factory):
     """The two named references of test_train.py and test_sync_train.py, made once per session
