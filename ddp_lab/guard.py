@@ -149,7 +149,7 @@ class Guard:
 
     def __init__(self, tcfg, sync_name: str, info, model: torch.nn.Module, scaler, total_steps: int):
         self.policy, self.every = tcfg.nonfinite, tcfg.consistency_every
-        self.info, self.model, self.scaler = info, model, scaler
+        self.info, self.scaler = info, scaler
         self.params = list(model.parameters())  # listed once: walking the modules costs ~30 us
         self.graphed = tcfg.cuda_graph  # its eager calls too: the same check as the captured one
         self.last_step = total_steps
@@ -286,7 +286,7 @@ class Guard:
 
     def check_replicas(self, step: int) -> None:
         """Collective: every rank's parameter checksum; a difference stops training."""
-        mine = param_checksum(self.model.parameters())
+        mine = param_checksum(self.params)
         every = [torch.empty_like(mine) for _ in range(self.info.world_size)]
         dist.all_gather(every, mine)
         self.checks += 1
