@@ -38,6 +38,7 @@ FORMAT = 1  # bump when the layout changes incompatibly
 # deterministic, tests/test_cuda_graph.py.)
 RESUME_NEUTRAL = ("train.resume", "train.stop_at_step", "train.progress", "train.log_every",
                   "train.checkpoint_every", "train.keep_every", "train.timing_warmup",
+                  "train.phase_every",
                   "train.calibrate_steps", "train.nonfinite", "train.consistency_every",
                   "train.cuda_graph",
                   "dist.timeout_s", "data.num_workers", "data.root", "data.download", "fault")

@@ -19,19 +19,23 @@ class StepTimer:
     phases of a step add up to its total by construction, and time the GPU sat idle waiting for the
     host (a slow loader) lands in the phase that waited.
 
-    On CUDA the marks are events on the current stream, read back lazily (no sync per step) and
-    recycled once read (creating and destroying five events a step costs a small model's
-    host-bound step time); on CPU they are `time.perf_counter()` readings."""
+    Every step's total is timed: one mark at each step boundary. Its phases are marked on every
+    `phase_every`-th step only (1: every step). On CUDA each mark is an event on the current
+    stream, read back lazily (no sync per step) and recycled once read; five phase marks a step
+    and reading them back cost ~40 us of host time, 1-2% of a small model's host-bound step, so
+    the loop samples them there. On CPU marks are `time.perf_counter()` readings."""
 
-    def __init__(self, device: torch.device, warmup: int):
+    def __init__(self, device: torch.device, warmup: int, phase_every: int = 1):
         self.cuda = device.type == "cuda"
         self.warmup = warmup
+        self.phase_every = phase_every
         self.steps: list[dict[str, float]] = []  # resolved, timed steps only
-        self._pending: list[list[tuple[str, object]]] = []
-        self._marks: list[tuple[str, object]] = []
+        self._pending: list[list[tuple[str | None, object]]] = []
+        self._marks: list[tuple[str | None, object]] = []
         self._seen = 0
+        self._phases = True  # whether this step's phases are marked
         self._free: list = []  # read events, to record again
-        self._stream = None  # the stream marks are recorded on, looked up once a step
+        self._stream = None  # the stream marks are recorded on
         self._window_start = 0  # first step of self.steps not yet reported by window()
 
     def _now(self):
@@ -43,64 +47,72 @@ class StepTimer:
 
     def restart(self) -> None:
         """Begin a new step here (after eval or a checkpoint: their time is not a step's)."""
-        self._look_up_stream()
-        self._marks = [("start", self._now())]
-
-    def _look_up_stream(self) -> None:
-        # Event.record() would look the current stream up at every mark (~5 us each).
+        # Looked up once here: Event.record() would look it up at every mark (~5 us each).
         self._stream = torch.cuda.current_stream() if self.cuda else None
+        self._marks = [("start", self._now())]
+        self._phases = self._seen % self.phase_every == 0
 
     def mark(self, phase: str) -> None:
-        self._marks.append((phase, self._now()))
+        if self._phases:
+            self._marks.append((phase, self._now()))
 
     def end_step(self) -> None:
         marks, self._seen = self._marks, self._seen + 1
+        if not self._phases:
+            marks.append((None, self._now()))  # the step's end only
         if self._seen > self.warmup:
             self._pending.append(marks)
         self._marks = [("start", marks[-1][1])]  # the next step starts where this one ended
-        self._look_up_stream()
+        self._phases = self._seen % self.phase_every == 0
         self._resolve(block=False)
 
     def _resolve(self, block: bool) -> None:
         while self._pending:
             marks = self._pending[0]
-            if self.cuda and not block and not marks[-1][1].query():
-                return
             if self.cuda:
-                marks[-1][1].synchronize()
+                if block:
+                    marks[-1][1].synchronize()
+                elif not marks[-1][1].query():
+                    return
                 ms = lambda a, b: a.elapsed_time(b)
             else:
                 ms = lambda a, b: (b - a) * 1e3
-            parts = defaultdict(float)
-            for (_, t0), (phase, t1) in zip(marks, marks[1:]):
-                parts[phase] += ms(t0, t1)
-            parts["step"] = sum(parts.values())
+            if marks[-1][0] is None:  # a step whose phases were not marked
+                parts = {"step": ms(marks[0][1], marks[-1][1])}
+            else:
+                parts = defaultdict(float)
+                for (_, t0), (phase, t1) in zip(marks, marks[1:]):
+                    parts[phase] += ms(t0, t1)
+                parts["step"] = sum(parts.values())
             self.steps.append(dict(parts))
             self._pending.pop(0)
             if self.cuda:  # all but the last, which starts the next step
                 self._free.extend(ev for _, ev in marks[:-1])
 
     def window(self) -> dict[str, float]:
-        """Median of each phase (ms) over the timed steps finished since the last call; never
-        waits for the GPU (steps still in flight are reported next time)."""
+        """Median of each phase (ms) over the timed steps finished since the last call that
+        marked it (`step`: over all of them); never waits for the GPU (steps still in flight are
+        reported next time)."""
         self._resolve(block=False)
         new, self._window_start = self.steps[self._window_start:], len(self.steps)
         return _medians(new)
 
     def summary(self) -> dict[str, float]:
-        """Median of each phase over the timed steps, plus their total wall time."""
+        """Median of each phase over the timed steps that marked it, plus the number of those,
+        the number of timed steps and their total wall time."""
         self._resolve(block=True)
         if not self.steps:
             return {}
         out = {f"{k}_ms": v for k, v in _medians(self.steps).items()}
         out["timed_steps"] = len(self.steps)
+        out["phase_timed_steps"] = sum(len(s) > 1 for s in self.steps)
         out["timed_total_s"] = sum(s["step"] for s in self.steps) / 1e3
         return out
 
 
 def _medians(steps: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for s in steps for k in s})
-    return {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
+    return {k: statistics.median(s[k] for s in steps if k in s) for k in keys}
 
 
 def with_exposed_comm(phases: dict[str, float], local_backward_ms: float | None,

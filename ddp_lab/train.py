@@ -157,7 +157,8 @@ def _train(cfg, cfg_dict, run_dir, info, logger, resumed) -> dict:
     bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                disable=None if info.is_main and tcfg.progress else True, file=sys.stderr)
     # With a graph, the eager calls before the capture are not timed either.
-    timer = StepTimer(device, warmup=max(tcfg.timing_warmup, EAGER_CALLS * tcfg.cuda_graph))
+    timer = StepTimer(device, warmup=max(tcfg.timing_warmup, EAGER_CALLS * tcfg.cuda_graph),
+                      phase_every=tcfg.phase_every if device.type == "cuda" else 1)
     comm_busy: list[float] = []  # per timed step, from the sync
     val_loss = val_acc = float("nan")
     loss_window = torch.zeros((), device=device)
@@ -309,6 +310,7 @@ def _train(cfg, cfg_dict, run_dir, info, logger, resumed) -> dict:
         "val_accuracy": val_acc, "val_loss": val_loss,
         "time_ms": time_ms,
         "timed_steps": timing.get("timed_steps", 0),
+        "phase_timed_steps": timing.get("phase_timed_steps", 0),  # train.phase_every
         "rank_step_ms": rank_step_ms,
         "rank_param_digests": digests,
         "comm_bytes_per_step": sync.bytes_per_step(),

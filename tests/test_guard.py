@@ -69,6 +69,20 @@ def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poiso
     assert guard.skipped == ([] if row is None else [2])
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_each_step_gets_its_own_zeroed_verdict_over_many_steps(graphed):
+    """150 steps read at sync points every 40, poisoned at 3 of them (one right after a refill of
+    the eager path's 64 flags): exactly those are skipped, and a flag never carries over."""
+    model, opt, guard = setup(graphed=graphed)
+    poisoned = {2, 65, 130}
+    for step in range(1, 151):
+        guard.after_sync(step, backward(model, "grad" if step in poisoned else None), opt)
+        opt.step()
+        opt.zero_grad()
+        guard.end_step(step, sync_point=step % 40 == 0 or step == 150)
+    assert guard.skipped == sorted(poisoned)
+
+
 def test_stop_policy_raises_at_the_sync_point_naming_the_step():
     model, opt, guard = setup("stop")
     backward(model)

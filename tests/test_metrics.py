@@ -49,6 +49,38 @@ def test_window_reports_each_timed_step_once():
     assert timer.window()["forward"] >= 20  # only the new, slower step
 
 
+def test_sampled_phases_every_step_timed_and_phase_medians_over_the_marked_steps_only():
+    """phase_every=3: every step has its total, only every third its phases; a phase's median is
+    over the steps that marked it (not diluted by the others), and the totals still tile the wall
+    clock."""
+    timer = StepTimer(torch.device("cpu"), warmup=1, phase_every=3)
+    sleeps = {"forward": 0.003, "backward": 0.002}
+    timer.restart()
+    run_steps(timer, 1, sleeps)  # warm-up (step 0, phases marked but not timed)
+    t1 = time.perf_counter()
+    run_steps(timer, 8, sleeps)  # steps 1..8: phases on 3 and 6
+    t2 = time.perf_counter()
+    summary = timer.summary()
+    assert [sorted(s) for s in timer.steps] == [
+        ["step"], ["step"], ["backward", "forward", "step"], ["step"], ["step"],
+        ["backward", "forward", "step"], ["step"], ["step"]]
+    assert summary["timed_steps"] == 8 and summary["phase_timed_steps"] == 2
+    assert 3 <= summary["forward_ms"] < 3 + 20 and 2 <= summary["backward_ms"] < 2 + 20
+    for step in timer.steps:  # an unmarked step's total is its whole time, sleeps and all
+        assert step["step"] >= 5
+    assert summary["timed_total_s"] == pytest.approx(t2 - t1, abs=2e-3)
+
+
+def test_restart_keeps_the_phase_sampling_of_the_step_count():
+    timer = StepTimer(torch.device("cpu"), warmup=0, phase_every=2)
+    timer.restart()
+    run_steps(timer, 1, {"forward": 0})  # step 0: marked
+    timer.restart()  # e.g. after eval: the next step is step 1, not marked
+    run_steps(timer, 2, {"forward": 0})
+    assert [sorted(s) for s in timer.steps] == [["forward", "step"], ["step"],
+                                                ["forward", "step"]]
+
+
 def test_exposed_comm_is_what_backward_and_comm_took_beyond_local_backward():
     phases = {"forward": 2.0, "backward": 5.0, "comm": 1.5, "optim": 0.3}
     out = with_exposed_comm(phases, local_backward_ms=4.0, accum_steps=1)
@@ -88,3 +120,24 @@ def test_cuda_marks_time_the_gpu_work_of_each_phase_and_recycle_their_events(mon
         long_, short = ("a", "b") if i % 2 == 0 else ("b", "a")
         assert step[long_] > 5 * step[short], (i, step)
     assert len(made) < steps  # 2 marks a step: without recycling, 2 * steps + 1 events
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_unmarked_steps_time_their_own_gpu_work():
+    """phase_every=3 on CUDA: steps alternate long/short GPU work, queued ahead of the GPU; every
+    step's total (one event at its end) must be its own, marked or not."""
+    long_cycles, short_cycles, steps = 2_000_000, 100_000, 30
+    timer = StepTimer(torch.device("cuda"), warmup=0, phase_every=3)
+    timer.restart()
+    for i in range(steps):
+        torch.cuda._sleep(long_cycles if i % 2 == 0 else short_cycles)
+        timer.mark("a")
+        timer.end_step()
+        if i % 8 == 7:
+            torch.cuda.synchronize()
+    summary = timer.summary()
+    assert summary["timed_steps"] == steps and summary["phase_timed_steps"] == steps // 3
+    for i, step in enumerate(timer.steps):
+        other = timer.steps[i + 1 if i % 2 == 0 else i - 1]
+        assert (step["step"] > 5 * other["step"]) == (i % 2 == 0), (i, step, other)
+        assert ("a" in step) == (i % 3 == 0)
