@@ -10,8 +10,8 @@ In-memory sets (digits, synthetic, CIFAR-10) live on the training device and are
 indexing, so the loader never starves a GPU: normalised once in the compute dtype where that fits
 in PREPARE_MAX_BYTES, else as uint8 normalised per batch (synthetic: a pool of images in the
 compute dtype). A set to augment is normalised once with a border of black around each image, so
-a random crop and flip is one gather. Where the rest of an epoch fits in EPOCH_GATHER_MAX_BYTES it
-is fetched at once and batches are views of it.
+a random crop and flip is one gather. Batches are fetched many at once, up to FETCH_MAX_BYTES
+(a whole CIFAR-size epoch), and cut as views.
 ImageFolder goes through a DataLoader with worker processes.
 """
 
@@ -36,11 +36,11 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # digits' training set at 224 px in bf16 is 0.43 GB, CIFAR-10's at 32 px 0.31 GB; CIFAR-10's test
 # set at 224 px (3.0 GB) is normalised per batch.
 PREPARE_MAX_BYTES = 2 * 2**30
-# A stream fetches the rest of an epoch at once up to this size (CIFAR-10 or synthetic at 32 px in
-# bf16: 0.31 GB), GATHER_CHUNK samples at a time; larger epochs (224 px synthetic: 15 GB) are
-# fetched per batch. At an epoch's start the previous epoch's buffer may still be held (by the
-# batch in use): up to twice this, per stream.
-EPOCH_GATHER_MAX_BYTES = 2 * 2**30
+# A stream fetches as many whole batches at once as fit in this size (an epoch of CIFAR-10 or of
+# 32 px synthetic data in bf16: 0.31 GB; 224 px: 6 batches of 256), GATHER_CHUNK samples at a
+# time, and cuts them as views. When the next fetch is made, the batch in use may still hold the
+# previous one: up to twice this, per stream.
+FETCH_MAX_BYTES = 512 * 2**20
 GATHER_CHUNK = 16384
 AUGMENT_PAD = 4  # CIFAR-style augmentation: a random 32 px crop of the image padded by 4, a flip
 
@@ -312,24 +312,20 @@ class DeviceBatches(BatchStream):
             idx = idx.pin_memory()
         idx = idx.to(where, non_blocking=True)
         idx, draws = (idx, None) if self.augment_seed is None else (idx[0], idx[1:])
-        # Where the rest of the epoch fits, fetch it at once (in batch order, chunked) and cut
-        # the batches as views, all in one call: a small model's step is bounded by how fast the
-        # host issues ops, and an augmented batch takes ~8 of them. Samples are fetched alike
-        # whatever the batch they come in (augmentation is per sample), so the batches are the same.
-        if len(idx) == 0:
-            return
-        whole = len(idx) * self.dataset.sample_bytes() <= EPOCH_GATHER_MAX_BYTES
-        if whole:
-            xs, ys = self._fetch_all(idx, draws)
-            batches = zip(xs.split(self.batch_size), ys.split(self.batch_size))
-        else:
-            batches = (self.dataset.fetch(i, d) for i, d in zip(
-                idx.split(self.batch_size),
-                (None,) * n if draws is None else draws.split(self.batch_size, dim=1)))
-        for x, y in batches:
-            if x.device != self.device:  # (on the device already: not even a no-op call)
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            yield x, y
+        # Fetch many batches at once (in batch order, chunked) and cut them as views, in one call:
+        # a small model's step is bounded by how fast the host issues ops, and a batch fetched
+        # alone takes 3 of them (~8 augmented). Samples are fetched alike whatever the batch they
+        # come in (augmentation is per sample), so the batches are the same.
+        batch_bytes = self.batch_size * self.dataset.sample_bytes()
+        window = max(1, FETCH_MAX_BYTES // batch_bytes) * self.batch_size  # samples per fetch
+        for w in range(0, len(idx), window):
+            part = slice(w, w + window)
+            xs, ys = self._fetch_all(idx[part], None if draws is None else draws[:, part])
+            for x, y in zip(xs.split(self.batch_size), ys.split(self.batch_size)):
+                if x.device != self.device:  # (on the device already: not even a no-op call)
+                    x = x.to(self.device, non_blocking=True)
+                    y = y.to(self.device, non_blocking=True)
+                yield x, y
 
     def _fetch_all(self, idx: torch.Tensor, draws) -> tuple[torch.Tensor, torch.Tensor]:
         """`idx`'s samples, GATHER_CHUNK at a time (bounded temporaries) into one buffer."""

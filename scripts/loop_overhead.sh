@@ -10,9 +10,11 @@
 # one: each round runs this tree, then each TREE, so slow drift of the host hits all alike (each
 # TREE's ddp_lab/bench/train_throughput.py must report ratio_paired: copy this tree's). Then
 # the host cost of each of the loop's pieces alone (scripts/step_variants.py --host-costs).
-# Environment: OUT_DIR (default $OUT, else outputs/loop_overhead), ROUNDS (2), CORE (default:
+# Environment: OUT_DIR (default $OUT, else outputs/loop_overhead: the rows and a summary),
+# RUNS_DIR (default /tmp/loop_overhead: the benchmark's run dirs), ROUNDS (2), CORE (default:
 # the idlest core, picked before each run),
-# STEPS (300), REPEATS (5), VARIANTS: ';'-separated extra override lists for this tree, each
+# STEPS (300), WARMUP (10), REPEATS (5), HOST_COSTS (1; 0: skip them), EXTRA (more arguments
+# of train_throughput, e.g. its cpu_* sizes for a check on a CPU), VARIANTS: ';'-separated extra override lists for this tree, each
 # run as one more row per round (e.g. "train.nonfinite=off;train.phase_every=1").
 set -u
 cd "$(dirname "$0")/.."
@@ -43,12 +45,12 @@ print(core, f"{load[core]:.0%}")
 EOF
 }
 ARGS="net=alexnet_cifar precisions=[bf16] channels_last=[true] cuda_graph=[false] batches=[512]
-      steps=${STEPS:-300} repeats=${REPEATS:-5}"
+      steps=${STEPS:-300} warmup=${WARMUP:-10} repeats=${REPEATS:-5} ${EXTRA:-}"
 
 # run NAME TREE [OVERRIDE ...]: one train_throughput invocation; its rows and one line kept.
 run() {
   local name=$1 tree=$2; shift 2
-  local dir=/tmp/loop_overhead/$name overrides=""
+  local dir=${RUNS_DIR:-/tmp/loop_overhead}/$name overrides=""
   # quoted list items: an override holds '=' (ddp_overrides=['train.nonfinite=off'])
   [ $# -gt 0 ] && overrides="ddp_overrides=[$(printf "'%s'," "$@" | sed 's/,$//')]"
   local core load
@@ -61,8 +63,9 @@ run() {
   printf '%-14s core %-3s (load %4s)  %s\n' "$name" "$core" "${load:-?}" "$($PY -c '
 import json, sys
 r = json.loads(open(sys.argv[1]).readline())
-print("bare %7.0f img/s  loop %7.0f img/s  loop/bare %.3f (%.3f..%.3f)" % tuple(
-    r[k] for k in ("bare_img_s", "ddp_img_s", "ratio_paired", "ratio_lo", "ratio_hi")))
+print("bare %7.0f img/s  loop %7.0f img/s  loop/bare %.3f (%.3f..%.3f), of median steps %.3f"
+      % tuple(r[k] for k in ("bare_img_s", "ddp_img_s", "ratio_paired", "ratio_lo", "ratio_hi",
+                             "ratio_med_paired")))
 ' "$OUT_DIR/$name.jsonl" 2>/dev/null || echo "no result")" | tee -a "$OUT_DIR/summary.txt"
 }
 
@@ -76,6 +79,8 @@ for round in $(seq "${ROUNDS:-2}"); do
     v=$((v + 1)); read -r -a ov <<< "$variant"; run "variant${v}_$round" . "${ov[@]}"
   done
 done
-taskset -c "$(idlest_core | cut -d' ' -f1)" $PY scripts/step_variants.py --net alexnet_cifar --batch 512 --host-costs --out "$OUT_DIR" \
-  > "$OUT_DIR/host_costs.log" 2>&1 || echo "host costs: FAILED (see host_costs.log)"
+[ "${HOST_COSTS:-1}" = 0 ] && exit 0
+taskset -c "$(idlest_core | cut -d' ' -f1)" $PY scripts/step_variants.py --net alexnet_cifar \
+  --batch 512 --host-costs --out "$OUT_DIR" > "$OUT_DIR/host_costs.log" 2>&1 \
+  || echo "host costs: FAILED (see host_costs.log)"
 tail -8 "$OUT_DIR/host_costs.log"

@@ -30,6 +30,7 @@ def test_tiny_cpu_case_writes_both_loops(together):
     assert r["ratio"] == pytest.approx(r["ddp_img_s"] / r["bare_img_s"])
     assert r["ratio_med"] == pytest.approx(r["ddp_img_s_med"] / r["bare_img_s_med"])
     assert r["ratio_paired"] == r["ratio_lo"] == r["ratio_hi"] == pytest.approx(r["ratio"])
+    assert r["ratio_med_paired"] == pytest.approx(r["ratio_med"])
     assert r["gflop_per_img"] == pytest.approx(0.3756, rel=1e-3)
     assert r["ddp_tflops"] == pytest.approx(r["gflop_per_img"] * r["ddp_img_s"] / 1e3)
     assert r["pred_mem_gb"] > 3 * 23_272_266 * 4 / 1e9  # weights + grads + momentum + more
@@ -65,11 +66,12 @@ def test_tensor_core_heuristic(name, tc):
 def test_paired_ratios_pair_each_repeats_loops_not_the_medians():
     """The host's speed changes between repeats, both loops' alike: each repeat's own ratio is
     what is reported, with its range."""
-    bares = [{"img_s": v} for v in (100.0, 200.0, 300.0)]
-    ddps = [{"img_s": v} for v in (90.0, 180.0, 270.0)]
+    bares = [{"img_s": v, "img_s_med": v + 10} for v in (100.0, 200.0, 300.0)]
+    ddps = [{"img_s": v, "img_s_med": v} for v in (90.0, 180.0, 270.0)]
     out = paired_ratios(ddps, bares)
     assert out["ratio_paired"] == pytest.approx(0.9) and out["ratios"] == pytest.approx([0.9] * 3)
-    out = paired_ratios([{"img_s": 95.0}, {"img_s": 150.0}, {"img_s": 270.0}], bares)
+    assert out["ratio_med_paired"] == pytest.approx(180 / 210)
+    out = paired_ratios([{"img_s": v, "img_s_med": v} for v in (95.0, 150.0, 270.0)], bares)
     assert (out["ratio_lo"], out["ratio_paired"], out["ratio_hi"]) == pytest.approx((0.75, 0.9, 0.95))
     with pytest.raises(ValueError):  # a repeat without its pair is a bug, not a shorter median
         paired_ratios(ddps[:2], bares)

@@ -1,6 +1,8 @@
 """Data determinism: sample i is the same whichever rank loads it, and the ranks' batches of a step
 together are the single-process batch of that step."""
 
+import math
+
 import pytest
 import torch
 
@@ -200,28 +202,32 @@ def test_sets_too_large_to_prepare_are_normalised_per_batch(monkeypatch):
                                           torch.bfloat16),
                                          ("synthetic", torch.bfloat16)])
 @pytest.mark.parametrize("start_batch", [0, 3])
-def test_an_epoch_fetched_at_once_yields_the_per_batch_fetches(monkeypatch, data, dtype,
-                                                               start_batch):
-    """Batches cut as views of one fetch of the epoch (in chunks) equal per-batch fetches, bit
-    for bit (augmented too), for training (last partial batch dropped), mid-epoch resume, and
-    validation (kept)."""
+def test_batches_fetched_many_at_once_equal_per_batch_fetches(monkeypatch, data, dtype,
+                                                              start_batch):
+    """Batches cut as views of one fetch of the epoch (in chunks), or of fetches of 3 batches at a
+    time, equal per-batch fetches bit for bit (augmented too), for training (last partial batch
+    dropped), mid-epoch resume, and validation (kept)."""
     import ddp_lab.data as data_mod
 
     monkeypatch.setattr(data_mod, "GATHER_CHUNK", 100)
     cfg = compose_config([f"data={data.split()[0]}", *data.split()[1:], "data.num_samples=300",
                           "data.val_samples=70", "train.batch_size=32", "precision=bf16"])
     d = build_data(cfg, 0, 1, torch.device("cpu"))
+    three_batches = 3 * 32 * d.train.dataset.sample_bytes()
     runs = {}
-    for limit in (data_mod.EPOCH_GATHER_MAX_BYTES, 0):
-        monkeypatch.setattr(data_mod, "EPOCH_GATHER_MAX_BYTES", limit)
+    for limit in (data_mod.FETCH_MAX_BYTES, three_batches, 0):
+        monkeypatch.setattr(data_mod, "FETCH_MAX_BYTES", limit)
         runs[limit] = [list(d.train.epoch(1, start_batch)), list(d.val.epoch(0))]
-    whole, per_batch = runs.values()
-    assert [len(r) for r in whole] == [len(r) for r in per_batch]
+    whole, threes, per_batch = runs.values()
+    assert [len(r) for r in whole] == [len(r) for r in threes] == [len(r) for r in per_batch]
     assert len(whole[0]) == d.train.num_batches() - start_batch and len(whole[1][-1][1]) < 32
-    for (xa, ya), (xb, yb) in zip(whole[0] + whole[1], per_batch[0] + per_batch[1]):
-        assert xa._base is not None  # a view of the epoch's fetch
-        assert xa.dtype == xb.dtype and torch.equal(xa, xb) and torch.equal(ya, yb)
-        assert xa.stride() == xb.stride()  # the same layout (channels_last or not)
+    for run in (whole, threes):
+        for (xa, ya), (xb, yb) in zip(run[0] + run[1], per_batch[0] + per_batch[1]):
+            assert xa._base is not None  # a view of a fetch of many
+            assert xa.dtype == xb.dtype and torch.equal(xa, xb) and torch.equal(ya, yb)
+            assert xa.stride() == xb.stride()  # the same layout (channels_last or not)
+    bases = lambda batches: len({x._base.data_ptr() for x, _ in batches})
+    assert bases(whole[0]) == 1 and bases(threes[0]) == math.ceil(len(threes[0]) / 3)
     assert whole[0][0][0].dtype == dtype
 
 

@@ -19,7 +19,8 @@ The two sides of a row:
 img/s = batch * steps / sum(step times) for both (`ratio`: of the medians over repeats), and
 batch / median step (`ratio_med`). With repeats, `ratio_paired` is the median of each repeat's
 own ratio (its two loops ran back to back, so slow drift of a shared host cancels), and
-`ratio_lo`..`ratio_hi` their range: the noise, in the table.
+`ratio_lo`..`ratio_hi` their range: the noise, in the table; `ratio_med_paired` the same median
+of each repeat's ratio of median steps.
 The ddp side also pays for what a real loop does: indexing its data pool, labels, LR schedule,
 loss bookkeeping, a step timer; the ratio is that overhead. Where the host bounds the step (a
 small model, eager), the ratio moves by up to ±8% from run to run on a shared host; pinned to one
@@ -191,10 +192,13 @@ def bare_loop(cfg, device: torch.device, steps: int, warmup: int) -> dict:
 
 
 def paired_ratios(ddps: list[dict], bares: list[dict]) -> dict:
-    """ddp / bare img/s of each repeat (its two loops ran back to back): median and range."""
-    ratios = [d["img_s"] / b["img_s"] for d, b in zip(ddps, bares, strict=True)]
+    """ddp / bare img/s of each repeat (its two loops ran back to back): median and range; and
+    the median of each repeat's ratio of median steps (blind to a few stalled steps)."""
+    pairs = list(zip(ddps, bares, strict=True))
+    ratios = [d["img_s"] / b["img_s"] for d, b in pairs]
     return {"ratio_paired": statistics.median(ratios), "ratio_lo": min(ratios),
-            "ratio_hi": max(ratios), "ratios": ratios}
+            "ratio_hi": max(ratios), "ratios": ratios,
+            "ratio_med_paired": statistics.median(d["img_s_med"] / b["img_s_med"] for d, b in pairs)}
 
 
 def ddp_loop(cfg, run_dir: str, keep_checkpoints: bool = False) -> dict:
@@ -406,7 +410,7 @@ def run(cfg, run_dir: str) -> list[dict]:
                              f"{r['ddp_img_s'] / fp32[key]:.2f}x "
                              "(target >= 3x)")
     cols = ["stem", "precision", "channels_last", "compile", "cuda_graph", "batch", "ddp_img_s",
-            "bare_img_s", "ratio", "ratio_med", "ratio_paired", "ratio_lo", "ratio_hi", "ddp_step_ms", "ddp_tflops", "mfu_sheet",
+            "bare_img_s", "ratio", "ratio_med", "ratio_paired", "ratio_lo", "ratio_hi", "ratio_med_paired", "ddp_step_ms", "ddp_tflops", "mfu_sheet",
             "mfu_gemm", "pred_mem_gb", "peak_mem_gb", "ok"]
     if combos:
         report(rows, run_dir, "train_throughput", [c for c in cols if c in rows[0]],

@@ -1,0 +1,42 @@
+"""scripts/loop_overhead.sh's own logic on the CPU (tiny sizes, not a measurement): one row per
+tree and per variant, each variant's overrides reaching the ddp_lab loop, and a failed run named
+instead of stopping the others."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from helpers import REPO, launch_together, run_cmd
+
+SCRIPT = os.path.join(REPO, "scripts", "loop_overhead.sh")
+
+
+@launch_together("loop_overhead_script", cost=40)
+def _this_tree_a_missing_tree_and_a_variant(out):
+    return run_cmd(["bash", SCRIPT, REPO, str(out / "no_such_tree")], 300, dict(
+        PYTHON=sys.executable, OUT_DIR=str(out), RUNS_DIR=str(out / "runs"), ROUNDS="1",
+        REPEATS="1", HOST_COSTS="0",
+        EXTRA="cpu_batches=[4] cpu_steps=1 cpu_warmup=1 cpu_precisions=[bf16] "
+              "channels_last=[false] predict_memory=false",
+        VARIANTS="train.nonfinite=off train.phase_every=3"))
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
+def test_rows_for_this_tree_another_tree_and_a_variant(together):
+    proc, out = together["loop_overhead_script"].result()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["this_1", "tree1_1", "tree2_1", "variant1_1"]
+    for line in (lines[0], lines[1], lines[3]):
+        assert "loop/bare" in line and "of median steps" in line, line
+    assert "no result" in lines[2] and "tree2_1: FAILED" in proc.stdout
+    row = json.loads((out / "variant1_1.jsonl").read_text())
+    assert row["ratio_paired"] == pytest.approx(row["ratio"])
+    # the variant's overrides reached the ddp_lab loop's config; this tree's run has the defaults
+    for name, expected in (("variant1_1", ("off", 3)), ("this_1", ("skip", 5))):
+        [info] = (out / "runs" / name / "ddp_lab").glob("*/run_info.json")
+        train = json.loads(info.read_text())["config"]["train"]
+        assert (train["nonfinite"], train["phase_every"]) == expected
