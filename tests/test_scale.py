@@ -230,6 +230,12 @@ def test_strong_scaling_plan():
         assert [(p.sync, p.world_size, p.per_rank_batch) for p in points] == [
             ("none", 1, 4), ("ddp", 1, 4), ("ddp", 2, 4),
             ("none", 1, 16), ("ddp", 1, 16), ("ddp", 2, 16)]
+        # On GPUs a sweep times every step's phases (the loop's default is every 5th), unless told
+        gpu = compose("scale", overrides=["nproc=[1]", "syncs=[ddp]", "profile=gpu"])
+        [point], _ = sweep.plan(gpu, [], "/tmp/x")
+        assert "train.phase_every=1" in point.args
+        [point], _ = sweep.plan(gpu, ["train.phase_every=5"], "/tmp/x")
+        assert "train.phase_every=5" in point.args and "train.phase_every=1" not in point.args
 
 
 @pytest.mark.parametrize("emit", list(EMIT))

@@ -41,7 +41,8 @@ PROFILES = {
             "train.batch_size": "8", "train.max_steps": "12", "train.timing_warmup": "3"},
     "gpu": {"model": "alexnet", "data": "synthetic", "precision": "bf16",
             "train.channels_last": "true", "train.batch_size": "256", "train.max_steps": "60",
-            "train.timing_warmup": "10"},
+            # the breakdown is what a sweep is for: every step's phases, not every 5th
+            "train.timing_warmup": "10", "train.phase_every": "1"},
 }
 # Always: no mid-run evaluation, one checkpoint at the end, no progress bar, never resume.
 FIXED = {"train.eval_every_epochs": "0", "train.progress": "false", "train.resume": "never"}
