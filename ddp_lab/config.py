@@ -90,9 +90,9 @@ class TrainConfig:
     accum_steps: int = 1  # micro-steps per optimizer step; only the last communicates
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard rows
     timing_warmup: int = 5  # steps left out of timing statistics
-    # CUDA: the phases (data, forward, ...) of every Nth step are timed, the total of every step
-    # (marking all five costs ~40 us a step, ~1.5% of a host-bound small model's); 1: every step.
-    # CPU runs time every step's phases (clock reads cost nothing).
+    # CUDA: the phases (data, forward, ...) of every Nth step are timed (not of the first after a
+    # log step: its sync's pause), the total of every step (marking all five costs ~40 us a step,
+    # ~1.5% of a host-bound small model's); 1: every step. CPU runs time every step's phases.
     phase_every: int = 5
     calibrate_steps: int = 5  # timed backward passes without communication (0: skip)
     eval_every_epochs: int = 1  # 0: evaluate only at the end

@@ -20,10 +20,13 @@ class StepTimer:
     host (a slow loader) lands in the phase that waited.
 
     Every step's total is timed: one mark at each step boundary. Its phases are marked on every
-    `phase_every`-th step only (1: every step). On CUDA each mark is an event on the current
-    stream, read back lazily (no sync per step) and recycled once read; five phase marks a step
-    and reading them back cost ~40 us of host time, 1-2% of a small model's host-bound step, so
-    the loop samples them there. On CPU marks are `time.perf_counter()` readings."""
+    `phase_every`-th step only (1: every step), never on the first step after a pause of the host
+    (a restart, a window read): that step's first phase holds the pause, and the loop pauses every
+    `log_every` steps, so a fixed sample could land there every time. On CUDA each mark is an
+    event on the current stream, read back lazily (no sync per step) and recycled once read; five
+    phase marks a step and reading them back cost ~40 us of host time, 1-2% of a small model's
+    host-bound step, so the loop samples them there. On CPU marks are `time.perf_counter()`
+    readings."""
 
     def __init__(self, device: torch.device, warmup: int, phase_every: int = 1):
         self.cuda = device.type == "cuda"
@@ -33,7 +36,9 @@ class StepTimer:
         self._pending: list[list[tuple[str | None, object]]] = []
         self._marks: list[tuple[str | None, object]] = []
         self._seen = 0
-        self._phases = True  # whether this step's phases are marked
+        self._phases: bool | None = None  # whether this step's phases are marked (None: undecided)
+        self._after_pause = True  # this step follows a restart or a window read
+        self._owed = False  # a sample moved off a step that followed a pause
         self._free: list = []  # read events, to record again
         self._stream = None  # the stream marks are recorded on
         self._window_start = 0  # first step of self.steps not yet reported by window()
@@ -50,20 +55,29 @@ class StepTimer:
         # Looked up once here: Event.record() would look it up at every mark (~5 us each).
         self._stream = torch.cuda.current_stream() if self.cuda else None
         self._marks = [("start", self._now())]
-        self._phases = self._seen % self.phase_every == 0
+        self._phases, self._after_pause = None, True
+
+    def _decide(self) -> bool:
+        """Whether this step's phases are marked: every phase_every-th step's, but a sample due on
+        the first step after a pause moves to the next step (once: with a pause before every
+        step, as with train.log_every=1, that one is taken)."""
+        due = self._owed or self._seen % self.phase_every == 0
+        moved = due and self._after_pause and self.phase_every > 1 and not self._owed
+        self._phases, self._owed, self._after_pause = due and not moved, moved, False
+        return self._phases
 
     def mark(self, phase: str) -> None:
-        if self._phases:
+        if self._phases or (self._phases is None and self._decide()):
             self._marks.append((phase, self._now()))
 
     def end_step(self) -> None:
-        marks, self._seen = self._marks, self._seen + 1
-        if not self._phases:
+        phases = self._decide() if self._phases is None else self._phases
+        marks, self._seen, self._phases = self._marks, self._seen + 1, None
+        if not phases or len(marks) == 1:
             marks.append((None, self._now()))  # the step's end only
         if self._seen > self.warmup:
             self._pending.append(marks)
         self._marks = [("start", marks[-1][1])]  # the next step starts where this one ended
-        self._phases = self._seen % self.phase_every == 0
         self._resolve(block=False)
 
     def _resolve(self, block: bool) -> None:
@@ -92,7 +106,9 @@ class StepTimer:
     def window(self) -> dict[str, float]:
         """Median of each phase (ms) over the timed steps finished since the last call that
         marked it (`step`: over all of them); never waits for the GPU (steps still in flight are
-        reported next time)."""
+        reported next time). Read where the host pauses (the loop's log step, after its sync):
+        the next step's phases are not sampled."""
+        self._after_pause = True
         self._resolve(block=False)
         new, self._window_start = self.steps[self._window_start:], len(self.steps)
         return _medians(new)

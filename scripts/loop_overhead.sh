@@ -10,6 +10,7 @@
 # one: each round runs this tree, then each TREE, so slow drift of the host hits all alike (each
 # TREE's ddp_lab/bench/train_throughput.py must report ratio_paired: copy this tree's). Then
 # the host cost of each of the loop's pieces alone (scripts/step_variants.py --host-costs).
+# Paths (TREEs, OUT_DIR, RUNS_DIR) are taken from where the script is run.
 # Environment: OUT_DIR (default $OUT, else outputs/loop_overhead: the rows and a summary),
 # RUNS_DIR (default /tmp/loop_overhead: the benchmark's run dirs), ROUNDS (2), CORE (default:
 # the idlest core, picked before each run),
@@ -17,10 +18,15 @@
 # of train_throughput, e.g. its cpu_* sizes for a check on a CPU), VARIANTS: ';'-separated extra override lists for this tree, each
 # run as one more row per round (e.g. "train.nonfinite=off;train.phase_every=1").
 set -u
+set -f  # arguments such as batches=[512] are not file patterns
+# Paths given relative to where the script is run from, made absolute before it moves.
+TREES=()
+for tree in "$@"; do TREES+=("$(realpath -m "$tree")"); done
+OUT_DIR=$(realpath -m "${OUT_DIR:-${OUT:-outputs/loop_overhead}}")
+RUNS_DIR=$(realpath -m "${RUNS_DIR:-/tmp/loop_overhead}")
 cd "$(dirname "$0")/.."
-OUT_DIR=${OUT_DIR:-${OUT:-outputs/loop_overhead}}
 mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
+: > "$OUT_DIR/summary.txt"
 PY=${PYTHON:-python3}
 
 # The core with the least load over 2 s (of those this process may use): on a shared host some
@@ -50,12 +56,12 @@ ARGS="net=alexnet_cifar precisions=[bf16] channels_last=[true] cuda_graph=[false
 # run NAME TREE [OVERRIDE ...]: one train_throughput invocation; its rows and one line kept.
 run() {
   local name=$1 tree=$2; shift 2
-  local dir=${RUNS_DIR:-/tmp/loop_overhead}/$name overrides=""
+  local dir=$RUNS_DIR/$name overrides=""
   # quoted list items: an override holds '=' (ddp_overrides=['train.nonfinite=off'])
   [ $# -gt 0 ] && overrides="ddp_overrides=[$(printf "'%s'," "$@" | sed 's/,$//')]"
   local core load
   read -r core load <<< "${CORE:-$(idlest_core)}"
-  rm -rf "$dir"
+  rm -rf "$dir" "$OUT_DIR/$name.jsonl"
   (cd "$tree" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 taskset -c "$core" \
     $PY -m ddp_lab.bench.train_throughput $ARGS $overrides hydra.run.dir="$dir") \
     > "$OUT_DIR/$name.log" 2>&1 || echo "$name: FAILED (see $name.log)"
@@ -73,10 +79,11 @@ IFS=';' read -r -a VARIANT_LIST <<< "${VARIANTS:-}"
 for round in $(seq "${ROUNDS:-2}"); do
   run "this_$round" .
   i=0
-  for tree in "$@"; do i=$((i + 1)); run "tree${i}_$round" "$tree"; done
+  for tree in "${TREES[@]}"; do i=$((i + 1)); run "tree${i}_$round" "$tree"; done
   v=0
   for variant in "${VARIANT_LIST[@]}"; do
-    v=$((v + 1)); read -r -a ov <<< "$variant"; run "variant${v}_$round" . "${ov[@]}"
+    v=$((v + 1)); read -r -a ov <<< "$variant"
+    [ ${#ov[@]} -gt 0 ] && run "variant${v}_$round" . "${ov[@]}"
   done
 done
 [ "${HOST_COSTS:-1}" = 0 ] && exit 0

@@ -66,11 +66,12 @@ def test_tensor_core_heuristic(name, tc):
 def test_paired_ratios_pair_each_repeats_loops_not_the_medians():
     """The host's speed changes between repeats, both loops' alike: each repeat's own ratio is
     what is reported, with its range."""
-    bares = [{"img_s": v, "img_s_med": v + 10} for v in (100.0, 200.0, 300.0)]
-    ddps = [{"img_s": v, "img_s_med": v} for v in (90.0, 180.0, 270.0)]
+    bares = [{"img_s": v, "img_s_med": v} for v in (100.0, 200.0, 300.0)]
+    ddps = [{"img_s": v, "img_s_med": m} for v, m in ((90.0, 95.0), (180.0, 150.0), (270.0, 270.0))]
     out = paired_ratios(ddps, bares)
     assert out["ratio_paired"] == pytest.approx(0.9) and out["ratios"] == pytest.approx([0.9] * 3)
-    assert out["ratio_med_paired"] == pytest.approx(180 / 210)
+    # median of 0.95, 0.75, 0.9 (the ratio of the medians would be 150 / 200)
+    assert out["ratio_med_paired"] == pytest.approx(0.9)
     out = paired_ratios([{"img_s": v, "img_s_med": v} for v in (95.0, 150.0, 270.0)], bares)
     assert (out["ratio_lo"], out["ratio_paired"], out["ratio_hi"]) == pytest.approx((0.75, 0.9, 0.95))
     with pytest.raises(ValueError):  # a repeat without its pair is a bug, not a shorter median

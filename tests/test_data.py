@@ -229,6 +229,15 @@ def test_batches_fetched_many_at_once_equal_per_batch_fetches(monkeypatch, data,
     bases = lambda batches: len({x._base.data_ptr() for x, _ in batches})
     assert bases(whole[0]) == 1 and bases(threes[0]) == math.ceil(len(threes[0]) / 3)
     assert whole[0][0][0].dtype == dtype
+    # and each training batch is the data set's own fetch of that batch's indices (and draws)
+    stream = d.train
+    idx = torch.as_tensor(stream.indices_for_epoch(1), dtype=torch.int64)
+    for b, (x, y) in enumerate(whole[0], start=start_batch):
+        i = idx[b * 32:(b + 1) * 32]
+        draws = (None if stream.augment_seed is None
+                 else crop_flip_draws(i, (stream.augment_seed, 1)))
+        xr, yr = stream.dataset.fetch(i, draws)
+        assert torch.equal(x, xr) and torch.equal(y, yr)
 
 
 def test_a_rank_with_an_empty_validation_shard_yields_no_batches():

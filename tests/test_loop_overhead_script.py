@@ -1,6 +1,6 @@
 """scripts/loop_overhead.sh's own logic on the CPU (tiny sizes, not a measurement): one row per
-tree and per variant, each variant's overrides reaching the ddp_lab loop, and a failed run named
-instead of stopping the others."""
+tree and per variant, each variant's overrides reaching the ddp_lab loop, paths relative to where
+it is run from, and a failed run named (not stopping the others, not showing an old result)."""
 
 import json
 import os
@@ -16,12 +16,16 @@ SCRIPT = os.path.join(REPO, "scripts", "loop_overhead.sh")
 
 @launch_together("loop_overhead_script", cost=40)
 def _this_tree_a_missing_tree_and_a_variant(out):
-    return run_cmd(["bash", SCRIPT, REPO, str(out / "no_such_tree")], 300, dict(
-        PYTHON=sys.executable, OUT_DIR=str(out), RUNS_DIR=str(out / "runs"), ROUNDS="1",
+    (out / "summary.txt").write_text("an earlier invocation's row\n")
+    (out / "tree2_1.jsonl").write_text('{"ratio_paired": 0.5}\n')  # stale: must not be shown
+    # run from `out`, every path relative to it: this repo as a tree, a missing tree, the dirs
+    cmd = f"cd {out} && bash {SCRIPT} {os.path.relpath(REPO, out)} no_such_tree"
+    return run_cmd(["bash", "-c", cmd], 300, dict(
+        PYTHON=sys.executable, OUT_DIR=".", RUNS_DIR="runs", ROUNDS="1",
         REPEATS="1", HOST_COSTS="0",
         EXTRA="cpu_batches=[4] cpu_steps=1 cpu_warmup=1 cpu_precisions=[bf16] "
               "channels_last=[false] predict_memory=false",
-        VARIANTS="train.nonfinite=off train.phase_every=3"))
+        VARIANTS="train.nonfinite=off train.phase_every=3;"))  # (an empty variant: no row)
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
@@ -33,6 +37,7 @@ def test_rows_for_this_tree_another_tree_and_a_variant(together):
     for line in (lines[0], lines[1], lines[3]):
         assert "loop/bare" in line and "of median steps" in line, line
     assert "no result" in lines[2] and "tree2_1: FAILED" in proc.stdout
+    assert not (out / "tree2_1.jsonl").exists()
     row = json.loads((out / "variant1_1.jsonl").read_text())
     assert row["ratio_paired"] == pytest.approx(row["ratio"])
     # the variant's overrides reached the ddp_lab loop's config; this tree's run has the defaults
