@@ -23,8 +23,9 @@ own ratio (its two loops ran back to back, so slow drift of a shared host cancel
 of each repeat's ratio of median steps.
 The ddp side also pays for what a real loop does: indexing its data pool, labels, LR schedule,
 loss bookkeeping, a step timer; the ratio is that overhead. Where the host bounds the step (a
-small model, eager), the ratio moves by up to ±8% from run to run on a shared host; pinned to one
-core (`taskset -c N python -m ddp_lab.bench.train_throughput ...`) it held within 2% on the H200's.
+small model, eager), a shared host moves it by ±8% from run to run, and single repeats by more
+(0.6-1.6 in one session, even pinned to an idle core): pin it (`scripts/loop_overhead.sh`), use
+repeats, and read `ratio_paired` / `ratio_med_paired`.
 
 MFU = achieved / peak, achieved = FLOPs per image per training step (counted by
 `ddp_lab.cost.compute`) x img/s; `mfu_sheet` against the datasheet peak of the precision,
@@ -196,9 +197,10 @@ def paired_ratios(ddps: list[dict], bares: list[dict]) -> dict:
     the median of each repeat's ratio of median steps (blind to a few stalled steps)."""
     pairs = list(zip(ddps, bares, strict=True))
     ratios = [d["img_s"] / b["img_s"] for d, b in pairs]
+    med_ratios = [d["img_s_med"] / b["img_s_med"] for d, b in pairs]
     return {"ratio_paired": statistics.median(ratios), "ratio_lo": min(ratios),
             "ratio_hi": max(ratios), "ratios": ratios,
-            "ratio_med_paired": statistics.median(d["img_s_med"] / b["img_s_med"] for d, b in pairs)}
+            "ratio_med_paired": statistics.median(med_ratios)}
 
 
 def ddp_loop(cfg, run_dir: str, keep_checkpoints: bool = False) -> dict:
@@ -410,8 +412,8 @@ def run(cfg, run_dir: str) -> list[dict]:
                              f"{r['ddp_img_s'] / fp32[key]:.2f}x "
                              "(target >= 3x)")
     cols = ["stem", "precision", "channels_last", "compile", "cuda_graph", "batch", "ddp_img_s",
-            "bare_img_s", "ratio", "ratio_med", "ratio_paired", "ratio_lo", "ratio_hi", "ratio_med_paired", "ddp_step_ms", "ddp_tflops", "mfu_sheet",
-            "mfu_gemm", "pred_mem_gb", "peak_mem_gb", "ok"]
+            "bare_img_s", "ratio", "ratio_med", "ratio_paired", "ratio_lo", "ratio_hi",
+            "ratio_med_paired", "ddp_step_ms", "ddp_tflops", "mfu_sheet", "mfu_gemm", "pred_mem_gb", "peak_mem_gb", "ok"]
     if combos:
         report(rows, run_dir, "train_throughput", [c for c in cols if c in rows[0]],
                title=f"training throughput: {model}, ddp_lab loop vs bare PyTorch loop", notes=notes)
