@@ -7,6 +7,7 @@ process group, so collectives, samplers and syncs never need an `if distributed`
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import socket
 from dataclasses import dataclass
@@ -74,6 +75,13 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     kwargs = {"device_id": device} if backend == "nccl" else {}
+    # Imported before the group exists, not after: a first import of torch._dynamo (which DDP's
+    # constructor and torch.compile make) keeps ten references to the default group where no
+    # destroy_process_group() reaches them. The group then outlives cleanup(), and its gloo
+    # worker threads run into interpreter shutdown, where one releasing a finished collective's
+    # tensors takes the GIL and aborts the process ("terminate called without an active
+    # exception", SIGABRT after a successful run). Imported first, cleanup() joins them.
+    importlib.import_module("torch._dynamo")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _restart_safe_store(world_size, local_world_size, timeout)
     if store is not None:
