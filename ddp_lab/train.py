@@ -87,6 +87,7 @@ def _train(cfg, cfg_dict, run_dir, info, logger, resumed) -> dict:
     train_model = sync.prepare(model)  # DDP wrapper, or the model with our hooks installed
     if tcfg.compile:
         train_model = compile_model(train_model, device, tcfg.compile_mode)
+    graphs_before = compiled_graphs()  # compiling happens on the first calls
     optimizer = build_optimizer(cfg.optim, model.parameters(), device)
 
     steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
@@ -316,6 +317,7 @@ def _train(cfg, cfg_dict, run_dir, info, logger, resumed) -> dict:
         "comm_bytes_per_step": sync.bytes_per_step(),
         "comm": sync.comm_stats(),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "compiled_graphs": compiled_graphs() - graphs_before,
         **checks.summary(),
     }
     if device.type == "cuda":
@@ -347,6 +349,14 @@ def compile_model(module: torch.nn.Module, device: torch.device, mode: str) -> t
         raise ConfigError("train.compile=true on CPU needs a C++ compiler (g++), none found; "
                           "run with train.compile=false")
     return torch.compile(module, mode=mode)
+
+
+def compiled_graphs() -> int:
+    """How many graphs Dynamo has compiled in this process so far (a run reports its own: none
+    under train.compile=true would mean the model ran eagerly after all)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def time_local_backward(train_model, sync, precision, data, memory_format, device,

@@ -3,8 +3,10 @@ named references: torch DDP on the same 2 ranks (sync=ddp), and one process on t
 (sync=none, twice the per-rank batch). A torchrun launch is the slow part (~5-20 s each on 2
 shared cores), so the six runs cover every algorithm with overlap on and off, and put gradient
 accumulation (2 micro-steps of 8 instead of one of 16: the same 32 samples per step) on each
-algorithm once and on each overlap mode. The six start from one fixture, two at a time: side by
-side, two launches fill the cores each leaves idle in its start-up."""
+algorithm once and on each overlap mode. Two more run the model through torch.compile (Inductor
+on the CPU), under our ring with its backward hooks and under DDP: compiled, they must train
+like the same eager references. All start from one fixture, two at a time: side by side, two
+launches fill the cores each leaves idle in its start-up."""
 
 from functools import cache, partial
 
@@ -21,6 +23,8 @@ RUNS = {  # id: overrides
     "ring-no-overlap-accum": ["sync=ring", "sync.overlap=false", "train.accum_steps=2"],
     "tree-overlap-accum": ["sync=tree", "sync.overlap=true", "train.accum_steps=2"],
     "tree-no-overlap": ["sync=tree", "sync.overlap=false"],
+    "ring-overlap-compile": ["sync=ring", "sync.overlap=true", "train.compile=true"],
+    "ddp-compile": ["sync=ddp", "train.compile=true"],
 }
 
 
@@ -55,6 +59,7 @@ def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, launc
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["global_batch"] == 32 and s["sync"] == run.split("-")[0]
     assert len(set(s["rank_param_digests"])) == 1, "replicas differ"
+    assert (s["compiled_graphs"] > 0) == run.endswith("-compile"), s["compiled_graphs"]
     got = final_params(run_dir)
     moved = max_abs_diff(got, _initial())
     assert moved > 1e-3, "training did not move the parameters: the comparison would be empty"
