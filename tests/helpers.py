@@ -131,6 +131,33 @@ def summary(run_dir) -> dict:
         return json.load(f)
 
 
+def bench_rows(proc, run_dir, name: str, plot: bool = True) -> list[dict]:
+    """A benchmark's `name` table, as every benchmark hands it over: printed (its header and one
+    line a row), written as name.jsonl and name.csv with the same rows, and drawn as name.png when
+    plot=true. Returns the JSON rows."""
+    import csv
+
+    check(proc)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, f"{name}.jsonl"))]
+    assert rows, f"{name}.jsonl has no rows"
+    with open(os.path.join(run_dir, f"{name}.csv"), newline="") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == len(rows) and set(table[0]) == {k for r in rows for k in r}
+    first = next(iter(rows[0]))
+    assert all(c[first] == str(r[first]) for c, r in zip(table, rows))
+    # The printed table: a header starting with a row key over a line of dashes, then a line a
+    # row (a column no row has is printed blank, so only the first is sure to be a key).
+    keys, lines = set(table[0]), proc.stdout.splitlines()
+    printed = [i for i in range(len(lines) - 1)
+               if "-" in lines[i + 1] and set(lines[i + 1]) <= {"-", " "}
+               and lines[i].split()[:1] and lines[i].split()[0] in keys
+               and all(l.strip() for l in lines[i + 2:i + 2 + len(rows)])
+               and len(lines) >= i + 2 + len(rows)]
+    assert printed, f"no printed {name} table:\n{proc.stdout}"
+    assert os.path.exists(os.path.join(run_dir, f"{name}.png")) == plot
+    return rows
+
+
 def final_params(run_dir) -> dict[str, torch.Tensor]:
     return torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["model"]
 

@@ -135,6 +135,26 @@ def test_fp16_scaler_that_would_disable_itself_is_refused(monkeypatch):
     assert setup_precision(pcfg, torch.device("cpu")).scaler.is_enabled()
 
 
+def test_compile_where_it_cannot_work_is_refused_up_front(monkeypatch):
+    """Refused by train.compile's name before the first step, not with Inductor's traceback from
+    inside it: no Dynamo on this platform, or no C++ compiler for the CPU kernels."""
+    import shutil
+
+    import torch._dynamo
+
+    from ddp_lab.train import compile_model
+    model, cpu = torch.nn.Linear(2, 2), torch.device("cpu")
+    with monkeypatch.context() as m:
+        m.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+        with pytest.raises(ConfigError, match="torch.compile is not supported on this Python"):
+            compile_model(model, cpu, "default")
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "which", lambda name: None)
+        with pytest.raises(ConfigError, match=r"on CPU needs a C\+\+ compiler"):
+            compile_model(model, cpu, "default")
+    assert compile_model(model, cpu, "default") is not model  # both there: compiled
+
+
 # ---- run dirs ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddp_lab.bench import gemm
-from helpers import check, launch_together, python_module
+from helpers import bench_rows, launch_together, python_module
 
 
 @launch_together("bench_gemm", cost=5)
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # (its test checks the no-GPU error)
 @pytest.fixture(scope="module")
 def run_dir(together):
     proc, out = together["bench_gemm"].result()
-    check(proc)
+    bench_rows(proc, out, "gemm")  # printed, written and drawn
     return out
 
 

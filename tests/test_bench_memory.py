@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import check, launch_together, python_module
+from helpers import bench_rows, launch_together, python_module
 
 
 @launch_together("bench_memory", cost=5)
@@ -15,12 +15,10 @@ def _host_copy(run_dir):
 
 def test_cli_host_copy_rows(together):
     proc, run_dir = together["bench_memory"].result()
-    check(proc)
-    rows = [json.loads(line) for line in open(run_dir / "memory.jsonl")]
+    rows = bench_rows(proc, run_dir, "memory")
     assert [(r["kind"], r["size_mb"]) for r in rows] == [
         ("host_copy", 1), ("host_copy_1t", 1), ("host_copy", 8), ("host_copy_1t", 8)]
     for r in rows:
         assert r["ok"]
         assert r["bytes_counted"] == 2 * r["size_mb"] * 1e6  # read + write
         assert r["gbs"] == pytest.approx(r["bytes_counted"] / (r["time_ms"] / 1e3) / 1e9, rel=1e-9)
-    assert (run_dir / "memory.png").exists()

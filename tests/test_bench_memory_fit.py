@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ddp_lab.bench.memory_fit import fit_rows
-from helpers import check, launch_together, python_module
+from helpers import bench_rows, check, launch_together, python_module
 
 
 def memory_fit(args: list[str], run_dir, timeout: float):
@@ -16,7 +16,7 @@ def memory_fit(args: list[str], run_dir, timeout: float):
 
 @launch_together("memory_fit_seed_table", cost=4)
 def _seed_table(run_dir):
-    return memory_fit(["params=[1e9]"], run_dir, timeout=120)
+    return memory_fit(["params=[1e9]", "plot=true"], run_dir, timeout=120)
 
 
 @launch_together("memory_fit_measured", cost=9)
@@ -37,7 +37,8 @@ def load(path):
 
 def test_seed_table_and_a_raw_count(together):
     proc, run_dir = together["memory_fit_seed_table"].result()
-    check(proc)
+    bench_rows(proc, run_dir, "memory_fit")
+    bench_rows(proc, run_dir, "seed_table", plot=False)
     seed = {r["model"]: r for r in load(run_dir / "seed_table.jsonl")}
     g, l = seed["gpt3_175b"], seed["llama2_70b"]
     assert g["fp32_weights_gb"] == g["seed_fp32_gb"] == 700  # the seed's FP32 = weights only

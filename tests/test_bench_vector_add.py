@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ddp_lab.bench.vector_add import VectorAddConfig, crossover, size_list
-from helpers import check, launch_together, python_module
+from helpers import bench_rows, launch_together, python_module
 
 
 @launch_together("bench_vector_add", cost=6)
@@ -17,15 +17,13 @@ def _vector_add(run_dir):
 
 def test_cli_rows_are_consistent(together):
     proc, run_dir = together["bench_vector_add"].result()
-    check(proc)
-    rows = [json.loads(line) for line in open(run_dir / "vector_add.jsonl")]
+    rows = bench_rows(proc, run_dir, "vector_add")
     assert [r["n"] for r in rows] == [1000, 100000]
     for r in rows:
         assert r["ok"] and r["cpu_ms"] > 0 and r["cpu1_ms"] > 0
         assert r["cpu_gbs"] == pytest.approx(12 * r["n"] / (r["cpu_ms"] / 1e3) / 1e9, rel=1e-9)
         assert r["mb"] == pytest.approx(12 * r["n"] / 1e6)
         assert "gpu_kernel_ms" not in r  # no GPU here
-    assert (run_dir / "vector_add.png").exists() and (run_dir / "vector_add.csv").exists()
     info = json.load(open(run_dir / "vector_add_info.json"))
     assert info["environment"]["device"] == "cpu"
 

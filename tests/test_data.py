@@ -260,3 +260,51 @@ def test_shard_indices_are_distributed_samplers(n, world_size):
             sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=11)
             sampler.set_epoch(epoch)
             assert shard_indices(n, rank, world_size, 11, epoch).tolist() == list(sampler)
+
+
+def _write_cifar10(root, per_batch: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Files in torchvision's CIFAR-10 layout (pickled uint8 rows, CHW flattened, plus labels),
+    5 training batches and a test batch of `per_batch` images each, every pixel a known function
+    of (image, channel, row, column). Returns the training images [N, 3, 32, 32] and labels."""
+    import pickle
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    n = 6 * per_batch
+    i, c, h, w = torch.meshgrid(torch.arange(n), torch.arange(3), torch.arange(32),
+                                torch.arange(32), indexing="ij")
+    images = ((i * 11 + c * 85 + h * 7 + w) % 256).to(torch.uint8)  # rows/columns/channels differ
+    labels = torch.arange(n) % 10
+    names = [f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]
+    for k, name in enumerate(names):
+        part = slice(k * per_batch, (k + 1) * per_batch)
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": images[part].reshape(per_batch, -1).numpy(),
+                         "labels": labels[part].tolist()}, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class{k}" for k in range(10)]}, f)
+    return images[:5 * per_batch], labels[:5 * per_batch]
+
+
+def test_cifar10_files_become_normalised_device_tensors_in_the_right_layout(tmp_path, monkeypatch):
+    """data=cifar10 from files in torchvision's format (checksums waived: these are not the real
+    ones): images come back CHW with rows, columns and channels in place, normalised with
+    CIFAR-10's statistics, prepared once like the other in-memory sets, labels aligned."""
+    import torchvision.datasets.cifar as tv_cifar
+
+    from ddp_lab.data import CIFAR_MEAN, CIFAR_STD, TensorImages
+
+    images, labels = _write_cifar10(tmp_path)
+    monkeypatch.setattr(tv_cifar.CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(tv_cifar, "check_integrity", lambda *a, **k: True)
+    cfg = compose_config(["data=cifar10", f"data.root={tmp_path}", "data.augment=false",
+                          "train.batch_size=16"])
+    d = build_data(cfg, 0, 1, torch.device("cpu"))
+    assert isinstance(d.train.dataset, TensorImages) and d.train.dataset.prepared
+    assert (d.train_samples, d.val_samples, d.num_classes) == (100, 20, 10)
+    idx = torch.as_tensor(d.train.indices_for_epoch(0))[:16]
+    x, y = next(d.train.epoch(0))
+    mean, std = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+    expected = (images[idx].float() / 255 - mean) / std
+    assert x.shape == (16, 3, 32, 32) and torch.allclose(x, expected, atol=1e-6)
+    assert torch.equal(y, labels[idx])

@@ -10,11 +10,13 @@ import torch
 from ddp_lab.guard import Guard, NonFiniteError
 
 
-def setup(policy="skip", graphed=False):
-    """graphed: the guard of a train.cuda_graph run, which checks gradient norms (not values)."""
+def setup(policy="skip", graphed=False, impl="fused"):
+    """graphed: the guard of a train.cuda_graph run, which checks gradient norms (not values).
+    impl: the optimizer's (optim.impl): fused, foreach or for_loop."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **kwargs)
     tcfg = SimpleNamespace(nonfinite=policy, consistency_every=0, cuda_graph=graphed)
     guard = Guard(tcfg, "none",
                   SimpleNamespace(rank=0, world_size=1), model,
@@ -67,6 +69,26 @@ def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poiso
     assert same == (row is not None)
     guard.end_step(2, sync_point=True)
     assert guard.skipped == ([] if row is None else [2])
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for_loop"])
+@pytest.mark.parametrize("poison", [None, "grad", "loss"])
+def test_an_unfused_optimizer_skips_a_flagged_step_by_dropping_its_gradients(impl, poison):
+    """Without a fused kernel's found_inf the guard decides on the host: a flagged step's
+    gradients are dropped, so the optimizer step that follows changes nothing."""
+    model, opt, guard = setup(impl=impl)
+    backward(model)
+    guard.after_sync(1, torch.tensor(1.0), opt)
+    opt.step()
+    opt.zero_grad()
+    before = state(model, opt)
+    guard.after_sync(2, backward(model, poison), opt)
+    assert not hasattr(opt, "found_inf")  # nothing for an unfused step to read
+    assert all((p.grad is None) == (poison is not None) for p in model.parameters())
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, state(model, opt))) == (poison is not None)
+    guard.end_step(2, sync_point=True)
+    assert guard.skipped == ([] if poison is None else [2])
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
