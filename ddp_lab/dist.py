@@ -1,7 +1,8 @@
 """Process-group setup: the only module that reads torchrun's environment.
 
 One process without torchrun is the same code with world size 1: it still gets a (single-member)
-process group, so collectives, samplers and syncs never need an `if distributed` branch.
+process group, so collectives, samplers and syncs never need an `if distributed` branch. Its group
+meets in an in-process store, so a lone run (or many side by side) needs no TCP port.
 """
 
 from __future__ import annotations
@@ -64,16 +65,16 @@ def choose_backend(requested: str, local_world_size: int) -> str:
 def init(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     """Create the default process group (world size 1 without torchrun) and pick this rank's device."""
     rank, local_rank, world_size, local_world_size = env_ranks()
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if world_size > 1 and not under_torchrun() and missing:
+        raise ConfigError(f"WORLD_SIZE={world_size} without torchrun needs {' and '.join(missing)} "
+                          "set on every rank; launch with torchrun instead (README: Launching)")
     backend = choose_backend(backend, local_world_size)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if not under_torchrun():
-        # A lone process still gets a process group, on a free local port.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     kwargs = {"device_id": device} if backend == "nccl" else {}
     # Imported before the group exists, not after: a first import of torch._dynamo (which DDP's
     # constructor and torch.compile make) keeps ten references to the default group where no
@@ -83,7 +84,8 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     # exception", SIGABRT after a successful run). Imported first, cleanup() joins them.
     importlib.import_module("torch._dynamo")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = _restart_safe_store(world_size, local_world_size, timeout)
+    store = (dist.HashStore() if world_size == 1 and not under_torchrun()
+             else _restart_safe_store(world_size, local_world_size, timeout))
     if store is not None:
         kwargs["store"] = store
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
@@ -111,12 +113,6 @@ def _restart_safe_store(world_size: int, local_world_size: int, timeout):
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print0(*args, **kwargs) -> None:

@@ -394,6 +394,11 @@ class RunDirCheck(Callback):
     line before Hydra's own mkdir fails with a traceback, and before any training starts."""
 
     def on_run_start(self, config, **kwargs) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        # The default run dir interpolates ${hydra:job.override_dirname}, which resolves only once
+        # HydraConfig is set, and Hydra sets it after this callback (in run_job, again).
+        HydraConfig.instance().set_config(config)
         run_dir = str(config.hydra.run.dir)
         problem = unwritable(run_dir)
         if problem:

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ def train(cfg, run_dir: str) -> dict:
     validate(cfg)
     info = ddp_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
     logger = None
+    closing = contextlib.ExitStack()  # what _train opens that must be shut before the group
     try:
         if cfg.train.cuda_graph:  # refused before anything is written
             check_supported(cfg, info.device)
@@ -61,15 +63,34 @@ def train(cfg, run_dir: str) -> dict:
             # From here on the config is plain dataclasses: a DictConfig attribute read costs
             # ~16 us, and the loop makes a dozen a step (with the LR schedule's), ~5% of a small
             # model's eager step.
-            return _train(OmegaConf.to_object(cfg), cfg_dict, run_dir, info, logger, resumed)
+            with closing:
+                return _train(OmegaConf.to_object(cfg), cfg_dict, run_dir, info, logger, resumed,
+                              closing)
+    except BaseException as e:
+        # The traceback holds _train's frame and through it DDP's reducer, which holds the
+        # process group: released here, cleanup() below really destroys the group and joins
+        # gloo's threads (not left to run into interpreter shutdown; see dist.init).
+        _release_frames(e)
+        raise
     finally:
         if logger is not None:
             logger.close()
         ddp_dist.cleanup()
 
 
-def _train(cfg, cfg_dict, run_dir, info, logger, resumed) -> dict:
-    """`cfg`: the config as dataclasses; `cfg_dict`: the same, resolved, as plain dicts."""
+def _release_frames(exc: BaseException | None) -> None:
+    """Clear the local variables of every finished frame in `exc`'s tracebacks (and those of
+    its causes); file names and line numbers stay for printing."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)  # (executing frames are skipped)
+        exc = exc.__cause__ or exc.__context__
+
+
+def _train(cfg, cfg_dict, run_dir, info, logger, resumed, closing) -> dict:
+    """`cfg`: the config as dataclasses; `cfg_dict`: the same, resolved, as plain dicts;
+    `closing`: an ExitStack closed before the process group goes, whatever happens."""
     device, tcfg = info.device, cfg.train
     digest = checkpoint.config_digest(cfg_dict, info.world_size)
 
@@ -84,6 +105,7 @@ def _train(cfg, cfg_dict, run_dir, info, logger, resumed) -> dict:
 
     precision = setup_precision(cfg.precision, device, tcfg.cudnn_benchmark)
     sync = build_sync(cfg.sync, info)
+    closing.callback(sync.close)  # its communication thread stops before the group does
     train_model = sync.prepare(model)  # DDP wrapper, or the model with our hooks installed
     if tcfg.compile:
         train_model = compile_model(train_model, device, tcfg.compile_mode)

@@ -209,9 +209,8 @@ def main():
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     if a.smoke:
         a.net, a.batch, a.steps, a.warmup, a.rounds = "alexnet_cifar", 8, 2, 1, 2
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                            store=dist.HashStore())  # one process: no rendezvous, no port
     bf16, fp16 = torch.bfloat16, torch.float16
     loop = ("data", "guard", "events", "loss", "sched")
     if a.host_costs:

@@ -47,18 +47,20 @@ def free_port() -> int:
 
 
 def env(**extra) -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    e.pop("RANK", None)
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):  # never a rendezvous of this process's
+        e.pop(k, None)
+    e.update(extra)
     return e
 
 
-def run_cmd(cmd: list[str], timeout: float, extra_env=None):
+def run_cmd(cmd: list[str], timeout: float, extra_env=None, cwd: str = REPO):
     """Run `cmd` to completion in a session of its own, from the repo root. On timeout the whole
     process group is killed (torchrun's workers, a script's children: nothing outlives the test,
     and nothing holds the output pipes open) and the test fails with the output's tails. Returns
     .returncode, .stdout, .stderr and .elapsed (seconds)."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(**(extra_env or {})), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(**(extra_env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -51,7 +51,8 @@ def spawn(fn, world_size: int, *args, timeout: float = 120, pg_timeout_s: float 
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"process group of {world_size} still running after "
-                                         f"{timeout} s (a hang?); results so far: {out}")
+                                         f"{timeout} s (a hang?); results so far: {out}"
+                                         + "".join(f"\n{e}" for e in errors))
                 if not any(p.is_alive() for p in procs) and results.empty():
                     break
                 continue

@@ -4,13 +4,14 @@ batch size 0, a missing data root, NCCL without GPUs, world size larger than the
 inside torchrun.)"""
 
 import os
+import sys
 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
 from ddp_lab.config import ConfigError, validate
-from helpers import compose_config, launch_together
+from helpers import compose_config, launch_together, run_cmd
 from reliab_helpers import launch
 
 
@@ -56,6 +57,15 @@ def _corrupted_data_root(tmp_path):
 def _run_dir_under_a_regular_file(tmp_path):
     (tmp_path / "file").write_text("keep me")
     return launch([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], nproc=0, timeout=120)
+
+
+@launch_together("bad_input_default_run_dir_under_a_regular_file", cost=8)
+def _default_run_dir_under_a_regular_file(tmp_path):
+    """No hydra.run.dir: the default, outputs/train/<overrides>, from a directory where `outputs`
+    is a file."""
+    (tmp_path / "outputs").write_text("keep me")
+    return run_cmd([sys.executable, "-m", "ddp_lab.train", "train.max_steps=1"], timeout=120,
+                   cwd=str(tmp_path))
 
 
 # ---- misspelled options and values ------------------------------------------------------------
@@ -171,11 +181,16 @@ def test_resuming_into_a_run_dir_of_an_incompatible_config_touches_nothing(toget
     assert snapshot(run) == before  # bytes and mtimes of every file, .hydra/ included
 
 
-def test_a_run_dir_under_a_regular_file_fails_clearly(together):
+@pytest.mark.parametrize("launch_name, file", [
+    ("bad_input_run_dir_under_a_regular_file", "file"),
+    ("bad_input_default_run_dir_under_a_regular_file", "outputs"),  # resolved from ${hydra:...}
+])
+def test_a_run_dir_under_a_regular_file_fails_clearly(together, launch_name, file):
     """Works as root too (chmod does not stop root's writes; a path through a file stops anyone)."""
-    proc, tmp_path = together["bad_input_run_dir_under_a_regular_file"].result()
+    proc, tmp_path = together[launch_name].result()
     assert_clean_failure(proc, "is not writable: Not a directory")
-    assert (tmp_path / "file").read_text() == "keep me"
+    assert "Warning" not in proc.stderr, proc.stderr  # the check ran, not skipped with a warning
+    assert (tmp_path / file).read_text() == "keep me"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory anyway; "

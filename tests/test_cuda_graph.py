@@ -17,7 +17,7 @@ import torch
 from ddp_lab.config import ConfigError
 from ddp_lab.graph import EAGER_CALLS, DeviceLR, GraphedStep, check_supported
 from ddp_lab.optim import build_scheduler, float_lrs
-from helpers import compose_config, free_port
+from helpers import compose_config
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -83,7 +83,6 @@ def test_device_lr_keeps_its_tensor_when_a_scheduler_assigns_floats():
 def _run(tmp_path, name, overrides):
     from ddp_lab.train import train
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cfg = compose_config(["model=alexnet_cifar", "model.dropout=0", "data=synthetic", "sync=none",
                           "dist.backend=nccl", "precision=fp32", "train.cudnn_benchmark=false",
                           "train.batch_size=64", "train.max_steps=12", "train.log_every=1",

@@ -30,3 +30,33 @@ def test_cleanup_joins_the_gloo_threads_even_after_ddp():
     check(proc)
     threads = proc.stdout.strip().splitlines()[-1]
     assert "gloo" not in threads, threads
+
+
+# The same after a run that fails (NaN loss at step 2, train.nonfinite=stop) with DDP wrapped
+# around the model, the exception still held, as a caller's post-mortem would hold it.
+_FAILED = """
+import os, sys
+sys.path.insert(0, "tests")
+from helpers import compose_config
+from ddp_lab.guard import NonFiniteError
+from ddp_lab.train import train
+cfg = compose_config(["data=synthetic", "data.num_samples=32", "data.val_samples=8",
+                      "train.batch_size=8", "train.max_steps=3", "train.progress=false",
+                      "train.resume=never", "sync=ddp", "train.nonfinite=stop", "train.log_every=1",
+                      "fault.nan_at_step=2", "fault.nan_rank=0"])
+try:
+    train(cfg, sys.argv[1])
+except NonFiniteError as e:
+    held = e
+    print(held)
+print(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_a_failed_run_leaves_no_gloo_thread_behind_either(tmp_path):
+    proc = run_cmd([sys.executable, "-c", _FAILED, str(tmp_path)], timeout=120)
+    check(proc)
+    assert "stopping (train.nonfinite=stop)" in proc.stdout, proc.stderr[-3000:]
+    threads = proc.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads, threads

@@ -157,12 +157,9 @@ def test_off_policy_checks_nothing_per_step_and_applies_every_step():
 def test_off_policy_still_refuses_to_checkpoint_a_nan(tmp_path):
     """End to end, one process on CPU: the poisoned step is applied (nothing skipped), and the
     checkpoint that would hold the NaN is refused, so the last one on disk stays finite."""
-    import os
-
     from ddp_lab.train import train
-    from helpers import compose_config, free_port
+    from helpers import compose_config
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cfg = compose_config(["data=synthetic", "data.num_samples=64", "data.val_samples=8",
                           "train.batch_size=8", "train.max_steps=4", "train.checkpoint_every=2",
                           "train.progress=false", "train.resume=never", "train.nonfinite=off",

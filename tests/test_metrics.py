@@ -30,10 +30,11 @@ def test_parts_add_up_to_the_step_and_steps_to_the_wall_clock():
     for step in timer.steps:
         assert step["step"] == pytest.approx(sum(step[p] for p in sleeps), rel=1e-12)
         for phase, s in sleeps.items():
-            assert s * 1e3 <= step[phase] < s * 1e3 + 20  # a sleep never returns early
+            assert s * 1e3 <= step[phase] < s * 1e3 + 50  # a sleep never returns early (nor, on a
+            # shared machine, always on time)
     summary = timer.summary()
     # contiguous marks: the timed steps cover the wall clock from the end of warm-up, no gaps
-    assert summary["timed_total_s"] == pytest.approx(t2 - t1, abs=2e-3)
+    assert summary["timed_total_s"] == pytest.approx(t2 - t1, abs=1e-2)
     assert summary["timed_total_s"] < t2 - t0
     assert summary["timed_steps"] == 5
 
@@ -65,10 +66,10 @@ def test_sampled_phases_every_step_timed_and_phase_medians_over_the_marked_steps
     assert [sorted(s) for s in timer.steps] == [
         marked, ["step"], marked, ["step"], ["step"], marked, ["step"], ["step"]]
     assert summary["timed_steps"] == 8 and summary["phase_timed_steps"] == 3
-    assert 3 <= summary["forward_ms"] < 3 + 20 and 2 <= summary["backward_ms"] < 2 + 20
+    assert 3 <= summary["forward_ms"] < 3 + 50 and 2 <= summary["backward_ms"] < 2 + 50
     for step in timer.steps:  # an unmarked step's total is its whole time, sleeps and all
         assert step["step"] >= 5
-    assert summary["timed_total_s"] == pytest.approx(t2 - t1, abs=2e-3)
+    assert summary["timed_total_s"] == pytest.approx(t2 - t1, abs=1e-2)
 
 
 def test_the_step_after_a_host_pause_is_never_sampled():

@@ -5,14 +5,13 @@ import json
 import os
 import sys
 
-from helpers import REPO, check, free_port, launch_together, run_cmd
+from helpers import REPO, check, launch_together, run_cmd
 
 SCRIPT = os.path.join(REPO, "scripts", "step_variants.py")
 
 
 def _run(args, out):
-    return run_cmd([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args], 240,
-                   {"MASTER_PORT": str(free_port())})
+    return run_cmd([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args], 240)
 
 
 launch_together("step_variants_host_costs", cost=15)(lambda out: _run(["--host-costs"], out))

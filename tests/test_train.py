@@ -2,14 +2,14 @@
 
 import json
 import os
-import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
 
-from helpers import (REPO, SMALL, check, env, final_params, free_port, max_abs_diff, summary,
-                     torchrun)
+from helpers import (SMALL, check, final_params, free_port, max_abs_diff, run_cmd, run_together,
+                     summary, torchrun)
 
 TOLERANCE = 1e-6
 
@@ -74,19 +74,14 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_referen
     port = free_port()
     run_dir = tmp_path / "two_nodes"
     args = SMALL + ["sync=ddp", "train.batch_size=16", f"hydra.run.dir={run_dir}"]
-    agents = []
-    for node_rank in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ddp_lab_test",
-               "-m", "ddp_lab.train", *args]
-        agents.append(subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True))
-    try:
-        outs = [a.communicate(timeout=240)[0] for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
-    assert all(a.returncode == 0 for a in agents), "\n".join(o[-3000:] for o in outs)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ddp_lab_test",
+           "-m", "ddp_lab.train", *args]
+    # Both at once, each in a session of its own (helpers.run_cmd: killed whole on timeout, its
+    # output read as it comes, so neither blocks on a full pipe).
+    agents = run_together({node: partial(run_cmd, cmd, 240) for node in range(2)})
+    for agent in agents.values():
+        check(agent.result())
     assert summary(run_dir)["world_size"] == 2
     diff = max_abs_diff(final_params(single_process_reference), final_params(run_dir))
     assert diff < TOLERANCE, diff

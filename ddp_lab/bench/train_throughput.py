@@ -208,10 +208,6 @@ def ddp_loop(cfg, run_dir: str, keep_checkpoints: bool = False) -> dict:
 
     if cfg.train.compile:
         torch._dynamo.reset()  # as for the bare loop: a fresh compile, no cache-limit fallback
-    from ddp_lab.dist import _free_port, under_torchrun
-
-    if not under_torchrun():  # each in-process run gets its own rendezvous port
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
     summary = train(cfg, run_dir)
     if not keep_checkpoints:
         for f in os.listdir(run_dir):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 import time
 
@@ -60,15 +59,15 @@ def _fits(cfg, points, sweep_dir, profile, env, say) -> dict:
                f"--nproc_per_node={n}", "-m", "ddp_lab.scale.calibrate", out,
                "--algos", ",".join(algos), "--sizes", ",".join(str(k * 1024) for k in kb)]
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=cfg.predict.timeout_s)
-        except subprocess.TimeoutExpired:
-            say(f"calibration at N={n} timed out; no fit for it")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        log_path = out.replace(".jsonl", ".log")
+        returncode, timed_out = sweep.run_logged(cmd, env, log_path, cfg.predict.timeout_s)
+        if timed_out:
+            say(f"calibration at N={n} timed out; no fit for it ({log_path})")
             continue
-        if proc.returncode != 0 or not os.path.exists(out):
-            say(f"calibration at N={n} failed (exit {proc.returncode}): "
-                f"{proc.stderr.strip().splitlines()[-1:] if proc.stderr.strip() else ''}")
+        if returncode != 0 or not os.path.exists(out):
+            say(f"calibration at N={n} failed (exit {returncode}): "
+                f"{sweep.tail(log_path).strip().splitlines()[-1:]} ({log_path})")
             continue
         rows += net.read_table(out)
         say(f"calibrated all-reduce ({', '.join(algos)}) at N={n}: {len(kb)} sizes, "

@@ -228,18 +228,9 @@ def launch(point: Point, env: dict, timeout_s: float, keep_checkpoints: bool) ->
     os.makedirs(point.run_dir)
     log_path = os.path.join(point.run_dir, "launcher.log")
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        log.write(" ".join(torchrun_cmd(point)) + "\n")
-        log.flush()
-        # A session of its own: on timeout the whole group (torchrun and its ranks) is stopped.
-        proc = subprocess.Popen(torchrun_cmd(point), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-        try:
-            point.returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop_group(proc)
-            point.returncode = proc.returncode
-            point.status = "timeout"
+    point.returncode, timed_out = run_logged(torchrun_cmd(point), env, log_path, timeout_s)
+    if timed_out:
+        point.status = "timeout"
     point.wall_s = time.perf_counter() - t0
     summary_path = os.path.join(point.run_dir, "summary.json")
     if point.status == "timeout":
@@ -260,6 +251,22 @@ def launch(point: Point, env: dict, timeout_s: float, keep_checkpoints: bool) ->
         for name in os.listdir(point.run_dir):
             if name.startswith("checkpoint") and name.endswith(".pt"):
                 os.remove(os.path.join(point.run_dir, name))
+
+
+def run_logged(cmd: list[str], env: dict, log_path: str, timeout_s: float) -> tuple[int, bool]:
+    """Run `cmd` with its output (and the command line first) in `log_path`, in a session of its
+    own: on timeout the whole group (torchrun and its ranks) is stopped, so none of them lives on
+    or holds a pipe. Returns (exit code, timed out)."""
+    with open(log_path, "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            return proc.returncode, True
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
