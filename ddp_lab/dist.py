@@ -76,8 +76,8 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     else:
         device = torch.device("cpu")
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    # Imported before the group exists, not after: a first import of torch._dynamo (which DDP's
-    # constructor and torch.compile make) keeps ten references to the default group where no
+    # Imported before the group exists, not after: a first import of torch._dynamo (which
+    # torch.optim's first optimizer, DDP's constructor and torch.compile make) keeps ten references to the default group where no
     # destroy_process_group() reaches them. The group then outlives cleanup(), and its gloo
     # worker threads run into interpreter shutdown, where one releasing a finished collective's
     # tensors takes the GIL and aborts the process ("terminate called without an active
