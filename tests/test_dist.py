@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from helpers import check, run_cmd
+from helpers import check, launch_together, run_cmd
 
 # A lone process (world size 1, gloo) trains a few steps through ddp_lab.train.train and prints
 # the names of the threads still alive after it returned (or raised, the exception still held,
@@ -28,20 +28,29 @@ print(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdi
 """
 
 
+RUNS = {  # id: (overrides, whether the run fails)
+    "ddp": (["sync=ddp"], False),
+    "ring": (["sync=ring"], False),
+    "ddp-failed": (["sync=ddp", "train.nonfinite=stop", "fault.nan_at_step=2",
+                    "fault.nan_rank=0"], True),
+}
+for _id, (_overrides, _) in RUNS.items():  # with the other launches (conftest's `together`)
+    launch_together(f"dist_threads_{_id}", cost=7)(
+        lambda run_dir, o=_overrides: run_cmd([sys.executable, "-c", _RUN, str(run_dir), *o],
+                                              timeout=120))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
-@pytest.mark.parametrize("overrides, fails", [
-    (["sync=ddp"], False),
-    (["sync=ring"], False),
-    (["sync=ddp", "train.nonfinite=stop", "fault.nan_at_step=2", "fault.nan_rank=0"], True),
-], ids=["ddp", "ring", "ddp-failed"])
-def test_after_a_run_no_gloo_thread_is_left(tmp_path, overrides, fails):
+@pytest.mark.parametrize("run", list(RUNS))
+def test_after_a_run_no_gloo_thread_is_left(together, run):
     """A group left alive by cleanup() keeps gloo's worker threads running into interpreter
     shutdown, where one that frees a finished collective's tensors takes the GIL and aborts the
     process (SIGABRT after a successful run: a CI failure seen on test_faults). Held alive by
     torch._dynamo imported after the group (the first optimizer imports it), or by a failed run's
     traceback (DDP in its frames)."""
-    proc = run_cmd([sys.executable, "-c", _RUN, str(tmp_path), *overrides], timeout=120)
+    proc, _ = together[f"dist_threads_{run}"].result()
     check(proc)
+    fails = RUNS[run][1]
     assert ("stopping (train.nonfinite=stop)" in proc.stdout) == fails, proc.stderr[-3000:]
     threads = proc.stdout.strip().splitlines()[-1]
     assert "gloo" not in threads, threads
