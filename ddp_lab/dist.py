@@ -77,11 +77,12 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
         device = torch.device("cpu")
     kwargs = {"device_id": device} if backend == "nccl" else {}
     # Imported before the group exists, not after: a first import of torch._dynamo (which
-    # torch.optim's first optimizer, DDP's constructor and torch.compile make) keeps ten references to the default group where no
-    # destroy_process_group() reaches them. The group then outlives cleanup(), and its gloo
-    # worker threads run into interpreter shutdown, where one releasing a finished collective's
-    # tensors takes the GIL and aborts the process ("terminate called without an active
-    # exception", SIGABRT after a successful run). Imported first, cleanup() joins them.
+    # torch.optim's first optimizer, DDP's constructor and torch.compile make) keeps ten
+    # references to the default group where no destroy_process_group() reaches them. The group
+    # then outlives cleanup(), and its gloo worker threads run into interpreter shutdown, where
+    # one releasing a finished collective's tensors takes the GIL and aborts the process
+    # ("terminate called without an active exception", SIGABRT after a successful run).
+    # Imported first, cleanup() joins them.
     importlib.import_module("torch._dynamo")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = (dist.HashStore() if world_size == 1 and not under_torchrun()
