@@ -149,13 +149,15 @@ def bench_rows(proc, run_dir, name: str, plot: bool = True) -> list[dict]:
     assert all(c[first] == str(r[first]) for c, r in zip(table, rows))
     # The printed table: a header starting with a row key over a line of dashes, then a line a
     # row (a column no row has is printed blank, so only the first is sure to be a key).
-    keys, lines = set(table[0]), proc.stdout.splitlines()
-    printed = [i for i in range(len(lines) - 1)
-               if "-" in lines[i + 1] and set(lines[i + 1]) <= {"-", " "}
-               and lines[i].split()[:1] and lines[i].split()[0] in keys
-               and all(l.strip() for l in lines[i + 2:i + 2 + len(rows)])
-               and len(lines) >= i + 2 + len(rows)]
-    assert printed, f"no printed {name} table:\n{proc.stdout}"
+    lines = proc.stdout.splitlines()
+
+    def table_at(i: int) -> bool:
+        header, rule, body = lines[i].split(), lines[i + 1], lines[i + 2:i + 2 + len(rows)]
+        return (bool(header) and header[0] in table[0] and "-" in rule
+                and set(rule) <= {"-", " "} and len(body) == len(rows)
+                and all(line.strip() for line in body))
+
+    assert any(map(table_at, range(len(lines) - 1))), f"no {name} table printed:\n{proc.stdout}"
     assert os.path.exists(os.path.join(run_dir, f"{name}.png")) == plot
     return rows
 
