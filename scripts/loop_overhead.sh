@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The ddp_lab loop against the bare loop where the loop's own host work shows: AlexNet-CIFAR,
-# bf16 + channels_last, eager, batch 512 on one GPU. Pinned to one idle core: unpinned, on a
-# shared host, the ratio moves +-8% from run to run. Prints one table row per run, with the
-# per-repeat ratios' median and range (ratio_paired, ratio_lo, ratio_hi), into summary.txt too.
+# The ddp_lab loop against the bare loop where the loop's own host work shows: by default
+# AlexNet-CIFAR, bf16 + channels_last, eager, batch 512 on one GPU (BENCH sets another). Pinned
+# to one idle core: unpinned, on a shared host, the ratio moves +-8% from run to run. Prints one
+# table row per run, with the per-repeat ratios' median and range (ratio_paired, ratio_lo,
+# ratio_hi), into summary.txt too.
 #
 #   scripts/loop_overhead.sh [TREE ...]
 #
@@ -11,12 +12,17 @@
 # TREE's ddp_lab/bench/train_throughput.py must report ratio_paired: copy this tree's). Then
 # the host cost of each of the loop's pieces alone (scripts/step_variants.py --host-costs).
 # Paths (TREEs, OUT_DIR, RUNS_DIR) are taken from where the script is run.
-# Environment: OUT_DIR (default $OUT, else outputs/loop_overhead: the rows and a summary),
-# RUNS_DIR (default /tmp/loop_overhead: the benchmark's run dirs), ROUNDS (2), CORE (default:
-# the idlest core, picked before each run),
-# STEPS (300), WARMUP (10), REPEATS (5), HOST_COSTS (1; 0: skip them), EXTRA (more arguments
-# of train_throughput, e.g. its cpu_* sizes for a check on a CPU), VARIANTS: ';'-separated extra override lists for this tree, each
-# run as one more row per round (e.g. "train.nonfinite=off;train.phase_every=1").
+# Environment:
+#   BENCH        train_throughput's settings (default: the AlexNet-CIFAR eager line below)
+#   EXTRA        more of its arguments, e.g. its cpu_* sizes for a check on a CPU
+#   VARIANTS     ';'-separated extra override lists of the ddp_lab loop, each run as one more
+#                row per round (e.g. "train.nonfinite=off;train.phase_every=1")
+#   OUT_DIR      the rows and a summary (default $OUT, else outputs/loop_overhead)
+#   RUNS_DIR     the benchmark's run dirs (default /tmp/loop_overhead)
+#   CORE         the core to pin to (default: the idlest, picked before each run; a list such
+#                as 1-15 unpins)
+#   ROUNDS (2), STEPS (300), WARMUP (10), REPEATS (5), RUN_TIMEOUT (300 s a run),
+#   HOST_COSTS (1; 0: skip them)
 set -u
 set -f  # arguments such as batches=[512] are not file patterns
 # Paths given relative to where the script is run from, made absolute before it moves.
@@ -50,8 +56,8 @@ core = min(load, key=load.get)
 print(core, f"{load[core]:.0%}")
 EOF
 }
-ARGS="net=alexnet_cifar precisions=[bf16] channels_last=[true] cuda_graph=[false] batches=[512]
-      steps=${STEPS:-300} warmup=${WARMUP:-10} repeats=${REPEATS:-5} ${EXTRA:-}"
+BENCH=${BENCH:-net=alexnet_cifar precisions=[bf16] channels_last=[true] cuda_graph=[false] batches=[512]}
+ARGS="$BENCH steps=${STEPS:-300} warmup=${WARMUP:-10} repeats=${REPEATS:-5} ${EXTRA:-}"
 
 # run NAME TREE [OVERRIDE ...]: one train_throughput invocation; its rows and one line kept.
 run() {
@@ -62,7 +68,7 @@ run() {
   local core load
   read -r core load <<< "${CORE:-$(idlest_core)}"
   rm -rf "$dir" "$OUT_DIR/$name.jsonl"
-  (cd "$tree" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 300 taskset -c "$core" \
+  (cd "$tree" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "${RUN_TIMEOUT:-300}" taskset -c "$core" \
     $PY -m ddp_lab.bench.train_throughput $ARGS $overrides hydra.run.dir="$dir") \
     > "$OUT_DIR/$name.log" 2>&1 || echo "$name: FAILED (see $name.log)"
   cp "$dir"/train_throughput.jsonl "$OUT_DIR/$name.jsonl" 2>/dev/null
