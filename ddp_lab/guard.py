@@ -35,6 +35,13 @@ import torch.distributed as dist
 
 log = logging.getLogger("ddp_lab")
 
+# Gradients of at least this many bytes are checked through their norms (one read pass), smaller
+# ones in place (a read and a write, but one op fewer): see Guard.after_sync. Their size stands in
+# for what bounds an eager step, measured on the H200: AlexNet-CIFAR's (93 MB of gradients) is
+# bounded by the host, so one op fewer is what counts; 224 px AlexNet's (244 MB) by the GPU, where
+# the write costs ~60 us of a ~4.2 ms step and the norms' extra host work is hidden.
+NORMS_FROM_BYTES = 128 * 2**20
+
 
 class TrainingError(RuntimeError):
     """Training cannot go on: printed as one line, exit code 3. `every_rank`: each rank's message
@@ -151,7 +158,10 @@ class Guard:
         self.policy, self.every = tcfg.nonfinite, tcfg.consistency_every
         self.info, self.scaler = info, scaler
         self.params = list(model.parameters())  # listed once: walking the modules costs ~30 us
-        self.graphed = tcfg.cuda_graph  # its eager calls too: the same check as the captured one
+        self.graphed = tcfg.cuda_graph
+        # What the per-step check reads (after_sync): a graph's eager calls check as its replays.
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.params if p.requires_grad)
+        self.reads_norms = self.graphed or grad_bytes >= NORMS_FROM_BYTES
         self.last_step = total_steps
         self.skipped: list[int] = []
         self.checks = 0
@@ -186,16 +196,18 @@ class Guard:
         if self._one is None:
             self._one = torch.ones(1, device=loss.device)
         # GradScaler's multi-tensor check (with a scale of 1: values unchanged) sets a zeroed flag
-        # to 1.0 if a value is inf/NaN. What it reads depends on what the step is bounded by:
-        # - eager, a small model's step is bounded by how fast the host issues ops: the check
-        #   runs over the loss and gradients themselves, one op (15 us of host time on the H200's
-        #   host, against 70 us for norms then a check), reading and rewriting the gradients;
-        # - in a CUDA graph (train.cuda_graph) bytes are what cost: the L1 norms of the loss and
-        #   every gradient in one read pass, then the check over those few norms. A norm is
-        #   inf/NaN iff some element is (or a tensor's finite values sum past fp32's range: skip
-        #   that too).
-        checked = ([loss, *grads] if not self.graphed
-                   else torch._foreach_norm([loss, *grads], 1, dtype=torch.float32))
+        # to 1.0 if a value is inf/NaN. What it reads is chosen once (__init__), by what the
+        # check would cost the step:
+        # - small gradients (AlexNet-CIFAR's 93 MB), eager: such a step is bounded by how fast the
+        #   host issues ops, so the check runs over the loss and gradients themselves, one op (15
+        #   us of host time on the H200's host, against 70 us for norms then a check), reading
+        #   and rewriting the gradients;
+        # - large gradients (224 px AlexNet's 244 MB: its step is bounded by the GPU), or in a CUDA
+        #   graph (train.cuda_graph), bytes are what cost: the L1 norms of the loss and every
+        #   gradient in one read pass, then the check over those few norms. A norm is inf/NaN iff
+        #   some element is (or a tensor's finite values sum past fp32's range: skip that too).
+        checked = (torch._foreach_norm([loss, *grads], 1, dtype=torch.float32)
+                   if self.reads_norms else [loss, *grads])
         check = lambda tensors, flag: torch._amp_foreach_non_finite_check_and_unscale_(
             tensors, flag, self._one)
         if self.info.world_size == 1:

@@ -7,12 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ddp_lab import guard as guard_module
 from ddp_lab.guard import Guard, NonFiniteError
 
 
 def setup(policy="skip", graphed=False, impl="fused"):
-    """graphed: the guard of a train.cuda_graph run, which checks gradient norms (not values).
-    impl: the optimizer's (optim.impl): fused, foreach or for_loop."""
+    """graphed: the guard of a train.cuda_graph run, which checks gradient norms (not values,
+    as it does for these small gradients otherwise). impl: the optimizer's (optim.impl): fused,
+    foreach or for_loop."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
@@ -69,6 +71,43 @@ def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poiso
     assert same == (row is not None)
     guard.end_step(2, sync_point=True)
     assert guard.skipped == ([] if row is None else [2])
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_large_gradients_are_checked_through_their_norms(monkeypatch, large):
+    """Gradients past NORMS_FROM_BYTES are checked through their L1 norms (one read pass; a GPU
+    bound step pays bytes), smaller ones in place (one op fewer; a host-bound step pays ops). The
+    two differ where finite values sum past fp32's range: the norm overflows and the step is
+    skipped, the values alone pass."""
+    if large:  # these 23 gradient values stand for a large model's
+        monkeypatch.setattr(guard_module, "NORMS_FROM_BYTES", 23 * 4)
+    model, opt, guard = setup()
+    assert guard.reads_norms == large
+    backward(model)
+    guard.after_sync(1, torch.tensor(1.0), opt)
+    opt.step()
+    opt.zero_grad()
+    backward(model)
+    model[0].weight.grad[0, :2] = 3e38  # each finite; their sum is not
+    guard.after_sync(2, torch.tensor(1.0), opt)
+    assert opt.found_inf.item() == float(large)
+    guard.end_step(2, sync_point=True)
+    assert guard.skipped == ([2] if large else [])
+
+
+def test_which_alexnet_reads_norms():
+    """The sizes the threshold sits between: AlexNet-CIFAR (23.3 M parameters, host-bound eager
+    on the H200) checks values, 224 px AlexNet (61.1 M, GPU-bound) norms."""
+    from ddp_lab.models import build_model
+
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0, cuda_graph=False)
+    reads = {}
+    for name, classes in (("alexnet_cifar", 10), ("alexnet", 1000)):
+        guard = Guard(tcfg, "none", SimpleNamespace(rank=0, world_size=1),
+                      build_model(name, classes, 0.5, "standard"),
+                      torch.amp.GradScaler("cpu", enabled=False), total_steps=1)
+        reads[name] = guard.reads_norms
+    assert reads == {"alexnet_cifar": False, "alexnet": True}
 
 
 @pytest.mark.parametrize("impl", ["foreach", "for_loop"])
