@@ -148,7 +148,9 @@ def _train(cfg, cfg_dict, run_dir, info, logger, resumed, closing) -> dict:
                      "epoch_batch": (step % steps_per_epoch) * tcfg.accum_steps,
                      "rng": rng, "config_digest": digest, "world_size": info.world_size,
                      "resume_config": checkpoint.resume_config(cfg_dict, info.world_size)}
-            checkpoint.save(state, run_dir, step, tcfg.keep_every)
+            paths = checkpoint.save(state, run_dir, step, tcfg.keep_every)
+            log.info("step %d: checkpoint saved (%s)", step,
+                     ", ".join(os.path.basename(p) for p in paths))
         dist.barrier()  # nobody runs ahead of a checkpoint that is not on disk yet
 
     def evaluate() -> tuple[float, float]:

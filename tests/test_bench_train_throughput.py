@@ -19,6 +19,30 @@ def _tiny_cpu_case(run_dir):
                          timeout=240)
 
 
+@launch_together("bench_train_throughput_digits", cost=25)
+def _digits_case(run_dir):
+    # batch 256: an epoch of digits is 5 steps, so the 7 steps cross one
+    return python_module(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[256]", "cpu_steps=6",
+                          "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
+                          "predict_memory=false", "ddp_overrides=['data=digits']",
+                          f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.train_throughput",
+                         timeout=240)
+
+
+def test_real_data_rows_time_every_step_across_epochs(together):
+    """ddp_overrides=[data=digits]: the loop trains on digits (the bare loop stays on its own
+    tensors) and every asked step is timed, across epoch ends: one checkpoint, at the end."""
+    proc, run_dir = together["bench_train_throughput_digits"].result()
+    [r] = bench_rows(proc, run_dir, "train_throughput", plot=False)
+    assert r["ok"] and r["steps"] == 6
+    ddp_run = run_dir / "ddp_lab" / "fp32_cl0_compile0_b256_r0"
+    summary = json.load(open(ddp_run / "summary.json"))
+    assert summary["data"] == "digits" and summary["timed_steps"] == 6
+    assert summary["total_steps"] == 7 > 1437 // 256
+    saves = [l for l in open(ddp_run / "train.log") if "checkpoint saved" in l]
+    assert len(saves) == 1 and "step 7:" in saves[0], saves  # not one at the epoch's end (5)
+
+
 def test_tiny_cpu_case_writes_both_loops(together):
     proc, run_dir = together["bench_train_throughput"].result()
     rows = bench_rows(proc, run_dir, "train_throughput")

@@ -125,6 +125,9 @@ def row_overrides(model: str, precision: str, channels_last: bool, compile_: boo
             f"train.max_steps={warmup + steps + cuda_graph}",  # the capture step is not timed
             f"train.timing_warmup={warmup}", "train.progress=false", "train.eval_every_epochs=0",
             "train.resume=never", f"train.log_every={warmup + steps + cuda_graph}",
+            # one checkpoint, at the end: a small real set's epochs are a few steps each, and a
+            # checkpoint per epoch (the default) would drain the GPU's queue every few steps
+            f"train.checkpoint_every={warmup + steps + cuda_graph}",
             f"data.val_samples={batch}",  # evaluation is not timed; keep it short anyway
             f"data.num_samples={max(50_000, batch * (warmup + steps + 1))}",  # one epoch, no refill
             f"dist.backend={'nccl' if device.type == 'cuda' else 'gloo'}", f"seed={seed}", *extra]
