@@ -240,6 +240,38 @@ def test_batches_fetched_many_at_once_equal_per_batch_fetches(monkeypatch, data,
         assert torch.equal(x, xr) and torch.equal(y, yr)
 
 
+@pytest.mark.parametrize("data", ["digits", "digits data.augment=true", "synthetic"])
+def test_epochs_fetched_ahead_equal_epochs_fetched_alone(monkeypatch, data):
+    """A small epoch is fetched with the epochs after it (one index copy, one fetch for several):
+    each epoch's batches are bitwise those of the epoch fetched alone, in order, after a resume
+    mid-epoch and after a jump back (a calibration pass, a restart)."""
+    import ddp_lab.data as data_mod
+
+    cfg = compose_config([f"data={data.split()[0]}", *data.split()[1:], "data.num_samples=300",
+                          "train.batch_size=32", "precision=bf16"])
+    ahead = build_data(cfg, 0, 1, torch.device("cpu")).train
+    alone = build_data(cfg, 0, 1, torch.device("cpu")).train
+    alone.epochs_ahead = False
+    epoch_bytes = ahead.num_batches() * 32 * ahead.dataset.sample_bytes()
+    monkeypatch.setattr(data_mod, "FETCH_MAX_BYTES", 3 * epoch_bytes + 1)  # 3 epochs a fetch
+    assert ahead.epochs_ahead and ahead._epochs_per_fetch() == 3
+
+    def batches(stream, epoch, start_batch=0):
+        return [(x.clone(), y.clone(), x._base) for x, y in stream.epoch(epoch, start_batch)]
+
+    # a resume at epoch 1, batch 4; then epochs 2..6 in turn; then a jump back to epoch 0
+    order = [(1, 4), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (0, 0), (1, 0)]
+    seen = [batches(ahead, e, b) for e, b in order]
+    for (e, b), got in zip(order, seen):
+        want = batches(alone, e, b)
+        assert len(got) == len(want) == ahead.num_batches() - b
+        for (x, y, _), (xr, yr, _) in zip(got, want):
+            assert x.dtype == xr.dtype and torch.equal(x, xr) and torch.equal(y, yr)
+    fetch = lambda k: seen[k][0][2].data_ptr()  # the buffer epoch order[k]'s batches are views of
+    assert fetch(0) == fetch(1) == fetch(2) != fetch(3)  # epochs 1-3 fetched together, then 4-6
+    assert fetch(3) == fetch(4) == fetch(5) and fetch(6) == fetch(7) != fetch(5)
+
+
 def test_a_rank_with_an_empty_validation_shard_yields_no_batches():
     """2 ranks, 1 validation sample: rank 1's shard is empty, its stream just ends."""
     cfg = compose_config(["data=synthetic", "data.num_samples=300", "data.val_samples=1",
