@@ -5,7 +5,7 @@ shared cores), so the six runs cover every algorithm with overlap on and off, an
 accumulation (2 micro-steps of 8 instead of one of 16: the same 32 samples per step) on each
 algorithm once and on each overlap mode. Two more run the model through torch.compile (Inductor
 on the CPU), under our ring with its backward hooks and under DDP: compiled, they must train
-like the same eager references. All start from one fixture, two at a time: side by side, two
+like each other, and like the eager references up to Inductor's rounding. All start from one fixture, two at a time: side by side, two
 launches fill the cores each leaves idle in its start-up."""
 
 from functools import cache, partial
@@ -15,6 +15,12 @@ import pytest
 from helpers import SMALL, check, final_params, max_abs_diff, run_together, summary, torchrun
 
 TOLERANCE = 1e-6
+# Compiled against eager: Inductor's CPU kernels round differently from ATen's (vectorised exp and
+# log, fused reductions, their width set by the host's ISA), and 3 steps of training carry that
+# into the weights: 7.5e-9 on an earlier VM, 2.0e-5 on an AVX2 one (both compiled runs alike). A
+# sync bug (a gradient not averaged, a bucket left out) moves weights by far more. Compiled runs
+# are held to TOLERANCE against each other: our ring, compiled, against DDP, compiled.
+COMPILED_TOLERANCE = 1e-4
 
 RUNS = {  # id: overrides
     "naive-overlap-accum": ["sync=naive", "sync.overlap=true", "train.accum_steps=2"],
@@ -63,9 +69,14 @@ def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, launc
     got = final_params(run_dir)
     moved = max_abs_diff(got, _initial())
     assert moved > 1e-3, "training did not move the parameters: the comparison would be empty"
+    compiled = run.endswith("-compile")
     for ref in ("ddp", "single"):
         diff = max_abs_diff(references[ref], got)
-        assert diff < TOLERANCE, f"{run}: max |ours - {ref}| = {diff}"
+        assert diff < (COMPILED_TOLERANCE if compiled else TOLERANCE), \
+            f"{run}: max |ours - {ref}| = {diff}"
+    if compiled and run != "ddp-compile":
+        diff = max_abs_diff(final_params(launched["ddp-compile"].result()), got)
+        assert diff < TOLERANCE, f"{run}: max |ours - ddp, both compiled| = {diff}"
     # Bytes rank 0 sent per step, counted: at N=2 each algorithm sends the whole gradient once
     # (naive: to rank 1; ring: half in each phase; tree: one broadcast level), accumulation or not.
     numel = sum(t.numel() for t in got.values())
