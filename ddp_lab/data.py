@@ -11,7 +11,7 @@ indexing, so the loader never starves a GPU: normalised once in the compute dtyp
 in PREPARE_MAX_BYTES, else as uint8 normalised per batch (synthetic: a pool of images in the
 compute dtype). A set to augment is normalised once with a border of black around each image, so
 a random crop and flip is one gather. Batches are fetched many at once, up to FETCH_MAX_BYTES
-(a whole CIFAR-size epoch), and cut as views.
+(a whole CIFAR-size epoch; several epochs of a set as small as digits), and cut as views.
 ImageFolder goes through a DataLoader with worker processes.
 """
 
