@@ -19,22 +19,34 @@ def _tiny_cpu_case(run_dir):
                          timeout=240)
 
 
+# GEMM peaks as ddp_lab.bench.gemm writes them: the CPU's best fp32 is 3.0 TFLOP/s
+GEMM_ROWS = [{"device": "cpu", "dtype": "fp32", "n": 1024, "tflops": 2.0, "ok": True},
+             {"device": "cpu", "dtype": "fp32", "n": 2048, "tflops": 3.0, "ok": True},
+             {"device": "cpu", "dtype": "fp32", "n": 4096, "tflops": 9.0, "ok": False},
+             {"device": "cuda", "dtype": "fp32", "n": 4096, "tflops": 50.0, "ok": True}]
+
+
 @launch_together("bench_train_throughput_digits", cost=25)
 def _digits_case(run_dir):
     # batch 256: an epoch of digits is 5 steps, so the 7 steps cross one
+    run_dir.mkdir(parents=True, exist_ok=True)
+    gemm = run_dir / "gemm.jsonl"
+    gemm.write_text("".join(json.dumps(r) + "\n" for r in GEMM_ROWS))
     return python_module(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[256]", "cpu_steps=6",
                           "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
                           "predict_memory=false", "ddp_overrides=['data=digits']",
-                          f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.train_throughput",
-                         timeout=240)
+                          f"gemm_results={gemm}", f"hydra.run.dir={run_dir}"],
+                         module="ddp_lab.bench.train_throughput", timeout=240)
 
 
 def test_real_data_rows_time_every_step_across_epochs(together):
     """ddp_overrides=[data=digits]: the loop trains on digits (the bare loop stays on its own
-    tensors) and every asked step is timed, across epoch ends: one checkpoint, at the end."""
+    tensors) and every asked step is timed, across epoch ends: one checkpoint, at the end. MFU
+    against the GEMM peak measured on this run's device (gemm_results=)."""
     proc, run_dir = together["bench_train_throughput_digits"].result()
     [r] = bench_rows(proc, run_dir, "train_throughput", plot=False)
     assert r["ok"] and r["steps"] == 6
+    assert r["mfu_gemm"] == pytest.approx(r["ddp_tflops"] / 3.0)
     ddp_run = run_dir / "ddp_lab" / "fp32_cl0_compile0_b256_r0"
     summary = json.load(open(ddp_run / "summary.json"))
     assert summary["data"] == "digits" and summary["timed_steps"] == 6

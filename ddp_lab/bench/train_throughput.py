@@ -330,7 +330,7 @@ def run(cfg, run_dir: str) -> list[dict]:
     if cfg.gemm_results:
         if not os.path.exists(cfg.gemm_results):
             raise ConfigError(f"gemm_results={cfg.gemm_results!r} does not exist")
-        measured = compute.measured_peaks(cfg.gemm_results)
+        measured = compute.measured_peaks(cfg.gemm_results, device.type)  # this device's peaks
     mem_cache: dict = {}
     net = MODELS[model](num_classes=classes) if cfg.predict_memory else None
 
