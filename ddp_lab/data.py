@@ -320,7 +320,7 @@ class DeviceBatches(BatchStream):
         # come in (augmentation is per sample), so the batches are the same.
         batch_bytes = self.batch_size * self.dataset.sample_bytes()
         window = max(1, FETCH_MAX_BYTES // batch_bytes) * self.batch_size  # samples per fetch
-        for w in range(0, idx.shape[-1], window):
+        for w in range(0, len(idx), window):
             part = slice(w, w + window)
             yield from map(self._placed, self._batches(idx[part],
                                                        None if draws is None else draws[:, part]))
