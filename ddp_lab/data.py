@@ -17,6 +17,7 @@ ImageFolder goes through a DataLoader with worker processes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -325,11 +326,14 @@ class DeviceBatches(BatchStream):
             yield from map(self._placed, self._batches(idx[part],
                                                        None if draws is None else draws[:, part]))
 
+    @functools.cached_property
+    def _epoch_bytes(self) -> int:  # every epoch's: counted once (each count draws a permutation)
+        return self.num_batches() * self.batch_size * self.dataset.sample_bytes()
+
     def _epochs_per_fetch(self) -> int:
-        epoch_bytes = self.num_batches() * self.batch_size * self.dataset.sample_bytes()
-        if not self.epochs_ahead or epoch_bytes == 0:
+        if not self.epochs_ahead or self._epoch_bytes == 0:
             return 1
-        return max(1, FETCH_MAX_BYTES // epoch_bytes)
+        return max(1, FETCH_MAX_BYTES // self._epoch_bytes)
 
     def _fetch_epochs(self, epochs: range) -> list[list]:
         """The batches of each of `epochs`, from one index copy and one fetch."""

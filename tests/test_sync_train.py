@@ -5,8 +5,9 @@ shared cores), so the six runs cover every algorithm with overlap on and off, an
 accumulation (2 micro-steps of 8 instead of one of 16: the same 32 samples per step) on each
 algorithm once and on each overlap mode. Two more run the model through torch.compile (Inductor
 on the CPU), under our ring with its backward hooks and under DDP: compiled, they must train
-like each other, and like the eager references up to Inductor's rounding. All start from one fixture, two at a time: side by side, two
-launches fill the cores each leaves idle in its start-up."""
+like each other, and like the eager references up to Inductor's rounding. All start from one
+fixture, two at a time: side by side, two launches fill the cores each leaves idle in its
+start-up."""
 
 from functools import cache, partial
 
