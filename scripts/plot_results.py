@@ -1,6 +1,7 @@
 """Plots for the README from a directory of device outputs, as the benchmarks wrote them:
 
-    python scripts/plot_results.py docs/results/2026-12-03-h200
+    python scripts/plot_results.py docs/results/h200-loop-vs-bare        # loop_vs_bare.png
+    python scripts/plot_results.py docs/results/h200-real-vs-synthetic   # real_vs_synthetic.png
 
 - loop_vs_bare_*.csv (`python -m ddp_lab.bench.train_throughput`): img/s of the ddp_lab loop and
   the bare loop per row -> loop_vs_bare.png (a file named *_nonfinite_off.csv: rows run with
