@@ -26,23 +26,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddp_lab.config import ConfigError
+from ddp_lab.config import ConfigError, is_neutral
 
 LATEST = "checkpoint.pt"
 TMP_SUFFIX = ".tmp"
 FORMAT = 1  # bump when the layout changes incompatibly
-
-# Keys that may change between a run and its resumption without changing its result.
-# (train.calibrate_steps: timing-only backward passes under fork_rng, where that key exists.
-# train.cuda_graph: the same kernels replayed; bitwise the eager run with dropout off and cuDNN
-# deterministic, tests/test_cuda_graph.py.)
-RESUME_NEUTRAL = ("train.resume", "train.stop_at_step", "train.progress", "train.log_every",
-                  "train.checkpoint_every", "train.keep_every", "train.timing_warmup",
-                  "train.phase_every",
-                  "train.calibrate_steps", "train.nonfinite", "train.consistency_every",
-                  "train.cuda_graph",
-                  "dist.timeout_s", "data.num_workers", "data.root", "data.download", "fault")
-
 
 def resume_config(cfg_dict: dict, world_size: int) -> dict:
     """The flattened config a resumed run must share with the run it continues."""
@@ -51,7 +39,7 @@ def resume_config(cfg_dict: dict, world_size: int) -> dict:
     def walk(node, prefix=""):
         for k, v in node.items():
             key = f"{prefix}{k}"
-            if any(key == n or key.startswith(n + ".") for n in RESUME_NEUTRAL):
+            if is_neutral(key):
                 continue
             if isinstance(v, dict):
                 walk(v, key + ".")
@@ -64,7 +52,8 @@ def resume_config(cfg_dict: dict, world_size: int) -> dict:
 
 
 def config_digest(cfg_dict: dict, world_size: int) -> str:
-    """sha256 over the resolved config minus RESUME_NEUTRAL keys, plus the world size."""
+    """sha256 over the resolved config minus the neutral keys (config.NEUTRAL), plus the world
+    size."""
     flat = resume_config(cfg_dict, world_size)
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -292,4 +281,6 @@ def check_keep_every(keep_every: int, checkpoint_every: int, steps_per_epoch: in
         what = (f"train.checkpoint_every={checkpoint_every}" if checkpoint_every else
                 f"the {steps_per_epoch} steps per epoch (train.checkpoint_every=0 saves at the end "
                 "of each epoch)")
-        raise ConfigError(f"train.keep_every={keep_every} must be a multiple of {what}")
+        raise ConfigError(f"train.keep_every={keep_every} must be a multiple of {what}: kept "
+                          "checkpoints are the regular ones saved at those steps, so others would "
+                          "silently be missing")

@@ -9,7 +9,8 @@ message. Checks that need more than a type (a batch size of 0, a backend without
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING
@@ -48,8 +49,7 @@ class DataConfig:
 @dataclass
 class SyncConfig:
     name: str = MISSING  # none | ddp | naive | ring | tree
-    bucket_mb: float = 25.0  # gradient bucket size for our own syncs
-    bucket_cap_mb: float = II("sync.bucket_mb")  # torch DDP's name for the same knob
+    bucket_mb: float = 25.0  # gradient bucket size (MiB), ours and DDP's (its bucket_cap_mb)
     overlap: bool = True  # start bucket all-reduces during backward
     comm_dtype: str = "fp32"  # fp32 | bf16 | fp16: dtype gradients travel in
     gradient_as_bucket_view: bool = False  # DDP only
@@ -90,10 +90,6 @@ class TrainConfig:
     accum_steps: int = 1  # micro-steps per optimizer step; only the last communicates
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard rows
     timing_warmup: int = 5  # steps left out of timing statistics
-    # CUDA: the phases (data, forward, ...) of every Nth step are timed (not of the first after a
-    # log step: its sync's pause), the total of every step (marking all five costs ~40 us a step,
-    # ~1.5% of a host-bound small model's); 1: every step. CPU runs time every step's phases.
-    phase_every: int = 5
     calibrate_steps: int = 5  # timed backward passes without communication (0: skip)
     eval_every_epochs: int = 1  # 0: evaluate only at the end
     channels_last: bool = False
@@ -165,7 +161,7 @@ CHOICES = {
     "fault.nan_value": ("nan", "inf"),
 }
 
-POSITIVE = ("train.batch_size", "train.accum_steps", "train.log_every", "train.phase_every",
+POSITIVE = ("train.batch_size", "train.accum_steps", "train.log_every",
             "model.image_size",
             "data.num_classes", "data.num_samples", "data.val_samples", "data.pool_size",
             "dist.timeout_s", "optim.lr")
@@ -210,13 +206,37 @@ def _validate_reliability(cfg) -> None:
     if t.resume not in ("auto", "never") and not os.path.isfile(t.resume):
         raise ConfigError(f"train.resume={t.resume!r} is not auto, never or an existing checkpoint "
                           "file")
-    if t.keep_every and t.checkpoint_every and t.keep_every % t.checkpoint_every:
-        raise ConfigError(f"train.keep_every={t.keep_every} must be a multiple of "
-                          f"train.checkpoint_every={t.checkpoint_every}: kept checkpoints are the "
-                          "regular ones saved at those steps, so others would silently be missing")
     if (f.kill_rank >= 0 or f.hang_rank >= 0 or f.perturb_rank >= 0) and f.at_step == 0:
         raise ConfigError("fault.kill_rank / fault.hang_rank / fault.perturb_rank need "
                           "fault.at_step=<step> (1-based)")
+
+
+# Keys that change nothing about what a run trains (when nothing goes wrong): how it is logged,
+# timed, checkpointed, guarded and where its data lives; a name ending in a group ("fault") covers
+# the group. The run dir's name leaves them out (conf/config.yaml, through `neutral_keys`), so the
+# same command with another log interval resumes the same run, and so does the resume digest
+# (checkpoint.config_digest). train.cuda_graph replays the eager step's kernels (bitwise, with
+# dropout off: tests/test_cuda_graph.py); train.calibrate_steps runs under fork_rng.
+NEUTRAL = ("train.resume", "train.stop_at_step", "train.progress", "train.log_every",
+           "train.checkpoint_every", "train.keep_every", "train.timing_warmup",
+           "train.calibrate_steps", "train.nonfinite", "train.consistency_every",
+           "train.cuda_graph", "dist.timeout_s", "data.num_workers", "data.root", "data.download",
+           "fault")
+
+
+def is_neutral(key: str) -> bool:
+    """Whether the dotted config key `key` is in NEUTRAL (itself or inside a neutral group)."""
+    return any(key == n or key.startswith(n + ".") for n in NEUTRAL)
+
+
+def neutral_keys() -> list[str]:
+    """NEUTRAL with each group spelt out as its keys: Hydra matches override keys exactly."""
+    groups = typing.get_type_hints(Config)
+    keys = []
+    for name in NEUTRAL:
+        group = groups.get(name)
+        keys += [f"{name}.{f.name}" for f in fields(group)] if is_dataclass(group) else [name]
+    return keys
 
 
 def register_configs() -> None:

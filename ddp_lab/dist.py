@@ -1,16 +1,28 @@
-"""Process-group setup: the only module that reads torchrun's environment.
+"""The process group: made from torchrun's environment (the only module that reads it), torn down
+whatever happens, and a collective that hangs or fails turned into one line naming who and where.
 
 One process without torchrun is the same code with world size 1: it still gets a (single-member)
 process group, so collectives, samplers and syncs never need an `if distributed` branch. Its group
 meets in an in-process store, so a lone run (or many side by side) needs no TCP port.
+
+Hangs. gloo collectives (and send/recv) honour the process-group timeout (`dist.timeout_s`) and
+then raise a bare "Timed out waiting 10000ms for recv operation"; NCCL's watchdog aborts the
+process after the same timeout with its own message naming the operation
+(`WorkNCCL(SeqNum=.., OpType=ALLREDUCE ..)`). `collective_errors` turns the gloo case into one
+line that names the collective (from the traceback) and the ranks that were behind (each rank's
+`Heartbeat` posts the step it began to the c10d store).
+
+In this module `dist` is torch.distributed; other modules import what they need from here by
+name (`from ddp_lab.dist import init_group`), so the two never share a name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
-import socket
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +74,7 @@ def choose_backend(requested: str, local_world_size: int) -> str:
     return requested
 
 
-def init(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
+def init_group(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     """Create the default process group (world size 1 without torchrun) and pick this rank's device."""
     rank, local_rank, world_size, local_world_size = env_ranks()
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -79,10 +91,10 @@ def init(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     # Imported before the group exists, not after: a first import of torch._dynamo (which
     # torch.optim's first optimizer, DDP's constructor and torch.compile make) keeps ten
     # references to the default group where no destroy_process_group() reaches them. The group
-    # then outlives cleanup(), and its gloo worker threads run into interpreter shutdown, where
+    # then outlives destroy_group(), and its gloo worker threads run into interpreter shutdown, where
     # one releasing a finished collective's tensors takes the GIL and aborts the process
     # ("terminate called without an active exception", SIGABRT after a successful run).
-    # Imported first, cleanup() joins them.
+    # Imported first, destroy_group() joins them.
     importlib.import_module("torch._dynamo")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = (dist.HashStore() if world_size == 1 and not under_torchrun()
@@ -111,7 +123,7 @@ def _restart_safe_store(world_size: int, local_world_size: int, timeout):
                             base)
 
 
-def cleanup() -> None:
+def destroy_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -122,12 +134,109 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def versions() -> dict:
-    """torch / CUDA / NCCL versions and the devices in use: every run records how it was made."""
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "hostname": socket.gethostname(),
-            "cpu_count": os.cpu_count()}
-    if torch.cuda.is_available():
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    info["nccl_env"] = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-    return info
+# ---- when a collective hangs or fails ----------------------------------------------------------
+
+class TrainingError(RuntimeError):
+    """Training cannot go on: printed as one line, exit code 3. `every_rank`: each rank's message
+    differs (print them all); otherwise the ranks decided together and rank 0 speaks for all."""
+    every_rank = False
+
+
+class CollectiveError(TrainingError):
+    every_rank = True
+
+
+class Heartbeat:
+    """Each rank posts the step it begins to the c10d store; when the others time out, the rank
+    that stopped beating is named. `sync` names the gradient sync in those messages."""
+
+    def __init__(self, rank: int, world_size: int, sync: str):
+        self.rank, self.world_size, self.sync = rank, world_size, sync
+        self.step: int | None = None
+        self.store = _store() if world_size > 1 else None
+
+    def beat(self, step: int) -> None:
+        """At the start of `step` (1-based)."""
+        self.step = step
+        if self.store is not None:
+            self.store.set(_heartbeat_key(self.rank), str(step))
+
+    def ranks_behind(self) -> str:
+        """Who had not begun this rank's step, as a clause for an error message."""
+        if self.store is None or self.step is None:
+            return ""
+        behind = []
+        try:
+            for r in range(self.world_size):
+                key = _heartbeat_key(r)
+                step = int(self.store.get(key)) if self.store.check([key]) else 0
+                if step < self.step:
+                    behind.append(f"rank {r} (last began step {step})")
+        except Exception:  # the store itself may be what failed
+            return ""
+        if behind:
+            return f"; ranks behind: {', '.join(behind)}"
+        return f"; every rank began step {self.step}, so the stall is inside it"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # private API: degrade to "rank unknown"
+        return None
+
+
+def _heartbeat_key(rank: int) -> str:
+    return f"ddp_lab/step/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _where(tb, sync: str) -> tuple[str, str]:
+    """(collective, call site) for an exception from a collective, read off its traceback."""
+    frames = traceback.extract_tb(tb)
+    ours = [f for f in frames if f"{os.sep}ddp_lab{os.sep}" in f.filename]
+    site = (f"{os.path.relpath(ours[-1].filename, os.path.dirname(os.path.dirname(__file__)))}:"
+            f"{ours[-1].lineno} `{(ours[-1].line or '').strip()}`") if ours else "?"
+    c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
+    if c10d:
+        # the outermost c10d frame is the public function our code called
+        return f"{c10d[0].name}", site
+    if any(f"{os.sep}autograd{os.sep}" in f.filename for f in frames):
+        return f"the gradient all-reduce inside backward (sync={sync})", site
+    ddp = [f for f in frames if f.filename.endswith(f"parallel{os.sep}distributed.py")]
+    if ddp:
+        line = ddp[-1].line or ""
+        if "_rebuild_buckets" in line:  # DDP's forward after its first backward
+            return "DDP's bucket-rebuild broadcast (forward of its second step)", site
+        if "sync_buffers" in line or "_sync_buffers" in ddp[-1].name:
+            return "DDP's buffer broadcast in forward", site
+        return f"DistributedDataParallel.{ddp[-1].name}", site
+    return f"a collective of sync={sync}", site
+
+
+_DIST_PATTERNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+                  "gloo", "nccl", "socket", "peer")
+
+
+@contextlib.contextmanager
+def collective_errors(timeout_s: float, beat: Heartbeat):
+    """Turn a failed or timed-out collective into a `CollectiveError` naming what, where and (from
+    `beat`) at which step and who was behind."""
+    try:
+        yield
+    except TrainingError:
+        raise
+    except RuntimeError as e:  # DistBackendError / DistError subclass RuntimeError
+        msg = str(e)
+        if not (isinstance(e, getattr(dist, "DistError", ())) or
+                any(p in msg.lower() for p in _DIST_PATTERNS)):
+            raise
+        what, site = _where(e.__traceback__, beat.sync)
+        timed_out = "timed out" in msg.lower() or "timeout" in msg.lower()
+        verdict = (f"timed out after dist.timeout_s={timeout_s:g}" if timed_out else
+                   "failed (a peer closed its connection: did a rank die?)"
+                   if "closed" in msg.lower() or "reset" in msg.lower() else "failed")
+        behind = beat.ranks_behind() if timed_out else ""
+        raise CollectiveError(
+            f"rank {beat.rank}: collective {what} {verdict} at step {beat.step} (called at "
+            f"{site}){behind}. "
+            f"Original error: {msg.strip().splitlines()[-1][:300]}") from e

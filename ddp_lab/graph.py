@@ -113,3 +113,25 @@ class GraphedStep:
                 ) from e
         self.graph.replay()
         return what, self.out
+
+
+class GraphedTrainStep:
+    """train.cuda_graph: the loop's `step_fn(step, micro_batches, mark)` as one CUDA graph, called
+    the same way. The micro-batches go through GraphedStep's static inputs, the learning rate
+    through `DeviceLR` (updated before each call: the scheduler stepped after the last one), and
+    after a replay the guard keeps that step's verdict. Phases inside a graph cannot be marked:
+    the loop times the whole step as one phase, `graph`."""
+
+    def __init__(self, step_fn, optimizer: torch.optim.Optimizer, guard):
+        self.lr = DeviceLR(optimizer)
+        self.guard = guard
+        self.step = 0  # the step being run, read by the eager and the captured call
+        self.graphed = GraphedStep(lambda *tensors: step_fn(
+            self.step, list(zip(tensors[::2], tensors[1::2])), lambda phase: None))
+
+    def __call__(self, step: int, micro_batches: list, mark=None) -> None:
+        self.step = step
+        self.lr.update()
+        what, _ = self.graphed(*(t for batch in micro_batches for t in batch))
+        if what != "eager":
+            self.guard.replayed(step)

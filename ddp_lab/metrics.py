@@ -7,6 +7,7 @@ Metric names follow `group/name_unit` (`time/backward_ms`, `throughput/img_per_s
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -15,33 +16,27 @@ from collections import defaultdict
 import torch
 
 class StepTimer:
-    """Contiguous marks: each `mark(phase)` ends `phase` where the previous mark ended, so the
-    phases of a step add up to its total by construction, and time the GPU sat idle waiting for the
-    host (a slow loader) lands in the phase that waited.
+    """The loop's one clock. Contiguous marks: each `mark(phase)` ends `phase` where the previous
+    mark ended, so the phases of a step add up to its total by construction, time the GPU sat idle
+    waiting for the host (a slow loader) lands in the phase that waited, and the timed steps tile
+    the wall clock from the end of warm-up, except where the loop paused it (`restart()`, after
+    evaluation and checkpoints). Throughput is counted from the same steps.
 
-    Every step's total is timed: one mark at each step boundary. Its phases are marked on every
-    `phase_every`-th step only (1: every step), never on the first step after a pause of the host
-    (a restart, a window read): that step's first phase holds the pause, and the loop pauses every
-    `log_every` steps, so a fixed sample could land there every time. On CUDA each mark is an
-    event on the current stream, read back lazily (no sync per step) and recycled once read; five
-    phase marks a step and reading them back cost ~40 us of host time, 1-2% of a small model's
-    host-bound step, so the loop samples them there. On CPU marks are `time.perf_counter()`
-    readings."""
+    On CUDA each mark is an event on the current stream, read back lazily (no host sync per step)
+    and recycled once read; on CPU it is a `time.perf_counter()` reading. `note(key, value)` adds
+    a measurement of the current step that is not a phase (the sync's busy time)."""
 
-    def __init__(self, device: torch.device, warmup: int, phase_every: int = 1):
+    def __init__(self, device: torch.device, warmup: int):
         self.cuda = device.type == "cuda"
         self.warmup = warmup
-        self.phase_every = phase_every
         self.steps: list[dict[str, float]] = []  # resolved, timed steps only
-        self._pending: list[list[tuple[str | None, object]]] = []
-        self._marks: list[tuple[str | None, object]] = []
+        self._pending: list[tuple[list, dict]] = []  # (marks, notes) of steps not yet read
+        self._marks: list[tuple[str, object]] = []
+        self._notes: dict[str, float] = {}
         self._seen = 0
-        self._phases: bool | None = None  # whether this step's phases are marked (None: undecided)
-        self._after_pause = True  # this step follows a restart or a window read
-        self._owed = False  # a sample moved off a step that followed a pause
         self._free: list = []  # read events, to record again
         self._stream = None  # the stream marks are recorded on
-        self._window_start = 0  # first step of self.steps not yet reported by window()
+        self._window_start = 0  # first step of self.steps not yet handed out by window()
 
     def _now(self):
         if self.cuda:
@@ -52,37 +47,29 @@ class StepTimer:
 
     def restart(self) -> None:
         """Begin a new step here (after eval or a checkpoint: their time is not a step's)."""
-        # Looked up once here: Event.record() would look it up at every mark (~5 us each).
         self._stream = torch.cuda.current_stream() if self.cuda else None
-        self._marks = [("start", self._now())]
-        self._phases, self._after_pause = None, True
-
-    def _decide(self) -> bool:
-        """Whether this step's phases are marked: every phase_every-th step's, but a sample due on
-        the first step after a pause moves to the next step (once: with a pause before every
-        step, as with train.log_every=1, that one is taken)."""
-        due = self._owed or self._seen % self.phase_every == 0
-        moved = due and self._after_pause and self.phase_every > 1 and not self._owed
-        self._phases, self._owed, self._after_pause = due and not moved, moved, False
-        return self._phases
+        self._marks, self._notes = [("start", self._now())], {}
 
     def mark(self, phase: str) -> None:
-        if self._phases or (self._phases is None and self._decide()):
-            self._marks.append((phase, self._now()))
+        self._marks.append((phase, self._now()))
+
+    def note(self, key: str, value: float) -> None:
+        if not math.isnan(value):
+            self._notes[key] = value
 
     def end_step(self) -> None:
-        phases = self._decide() if self._phases is None else self._phases
-        marks, self._seen, self._phases = self._marks, self._seen + 1, None
-        if not phases or len(marks) == 1:
-            marks.append((None, self._now()))  # the step's end only
+        marks = self._marks
+        if len(marks) == 1:
+            marks.append(("step", self._now()))  # no phases: the step's total only
+        self._seen += 1
         if self._seen > self.warmup:
-            self._pending.append(marks)
-        self._marks = [("start", marks[-1][1])]  # the next step starts where this one ended
+            self._pending.append((marks, self._notes))
+        self._marks, self._notes = [("start", marks[-1][1])], {}  # the next step starts here
         self._resolve(block=False)
 
     def _resolve(self, block: bool) -> None:
         while self._pending:
-            marks = self._pending[0]
+            marks, notes = self._pending[0]
             if self.cuda:
                 if block:
                     marks[-1][1].synchronize()
@@ -91,42 +78,35 @@ class StepTimer:
                 ms = lambda a, b: a.elapsed_time(b)
             else:
                 ms = lambda a, b: (b - a) * 1e3
-            if marks[-1][0] is None:  # a step whose phases were not marked
-                parts = {"step": ms(marks[0][1], marks[-1][1])}
-            else:
-                parts = defaultdict(float)
-                for (_, t0), (phase, t1) in zip(marks, marks[1:]):
-                    parts[phase] += ms(t0, t1)
-                parts["step"] = sum(parts.values())
-            self.steps.append(dict(parts))
+            parts = defaultdict(float)
+            for (_, t0), (phase, t1) in zip(marks, marks[1:]):
+                parts[phase] += ms(t0, t1)
+            parts["step"] = sum(parts.values())
+            self.steps.append({**parts, **notes})
             self._pending.pop(0)
             if self.cuda:  # all but the last, which starts the next step
                 self._free.extend(ev for _, ev in marks[:-1])
 
-    def window(self) -> dict[str, float]:
-        """Median of each phase (ms) over the timed steps finished since the last call that
-        marked it (`step`: over all of them); never waits for the GPU (steps still in flight are
-        reported next time). Read where the host pauses (the loop's log step, after its sync):
-        the next step's phases are not sampled."""
-        self._after_pause = True
+    def window(self) -> list[dict[str, float]]:
+        """The timed steps finished since the last call; never waits for the GPU (steps still in
+        flight are handed out next time)."""
         self._resolve(block=False)
         new, self._window_start = self.steps[self._window_start:], len(self.steps)
-        return _medians(new)
+        return new
 
     def summary(self) -> dict[str, float]:
-        """Median of each phase over the timed steps that marked it, plus the number of those,
-        the number of timed steps and their total wall time."""
+        """Median of each phase (ms) over the timed steps, their number and their total time."""
         self._resolve(block=True)
         if not self.steps:
             return {}
-        out = {f"{k}_ms": v for k, v in _medians(self.steps).items()}
+        out = {f"{k}_ms": v for k, v in medians(self.steps).items()}
         out["timed_steps"] = len(self.steps)
-        out["phase_timed_steps"] = sum(len(s) > 1 for s in self.steps)
         out["timed_total_s"] = sum(s["step"] for s in self.steps) / 1e3
         return out
 
 
-def _medians(steps: list[dict[str, float]]) -> dict[str, float]:
+def medians(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's median over the steps that have it."""
     keys = sorted({k for s in steps for k in s})
     return {k: statistics.median(s[k] for s in steps if k in s) for k in keys}
 

@@ -16,7 +16,7 @@
 #   BENCH        train_throughput's settings (default: the AlexNet-CIFAR eager line below)
 #   EXTRA        more of its arguments, e.g. its cpu_* sizes for a check on a CPU
 #   VARIANTS     ';'-separated extra override lists of the ddp_lab loop, each run as one more
-#                row per round (e.g. "train.nonfinite=off;train.phase_every=1")
+#                row per round (e.g. "train.nonfinite=off;data=digits")
 #   OUT_DIR      the rows and a summary (default $OUT, else outputs/loop_overhead)
 #   RUNS_DIR     the benchmark's run dirs (default /tmp/loop_overhead)
 #   CORE         the core to pin to (default: the idlest, picked before each run; a list such

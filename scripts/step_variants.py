@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ddp_lab.bench.common import back_to_back_ms, sync  # noqa: E402
-from ddp_lab.config import TrainConfig  # noqa: E402
 from ddp_lab.data import DeviceBatches, SyntheticImages  # noqa: E402
 from ddp_lab.graph import GraphedStep  # noqa: E402
 from ddp_lab.guard import Guard  # noqa: E402
@@ -62,11 +61,11 @@ def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit
     perm = torch.randperm(50_000)
     stream = DeviceBatches(images, lambda epoch: perm, batch, device, True)  # the loop's own
     batches = iter(())
-    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0, cuda_graph=graph)
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0)
     info = SimpleNamespace(rank=0, world_size=1)
-    checks = Guard(tcfg, "none", info, model, torch.amp.GradScaler(enabled=False), 10**9)
-    # recorded and resolved each step, phases on every phase_every-th, as in the loop
-    timer = StepTimer(device, warmup=0, phase_every=TrainConfig.phase_every)
+    checks = Guard(tcfg, info, model, torch.amp.GradScaler(enabled=False), 10**9)
+    # recorded and resolved each step, as in the loop
+    timer = StepTimer(device, warmup=0)
     timer.restart()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 1e6)
     loss_window = torch.zeros((), device=device)

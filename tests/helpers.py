@@ -18,7 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from ddp_lab.config import register_configs
-from ddp_lab.train import CONF_DIR, _register_resolvers
+from ddp_lab.cli import CONF_DIR, register_resolvers
 
 REPO = os.path.dirname(CONF_DIR)
 # Small, fast, deterministic runs: dropout off so ranks and world sizes are comparable.
@@ -35,7 +35,7 @@ SMALL = FAST + ["data=synthetic", "data.num_samples=512", "data.val_samples=64",
 
 def compose_config(overrides: list[str] = (), config_name: str = "config"):
     register_configs()
-    _register_resolvers()
+    register_resolvers()
     with initialize_config_dir(CONF_DIR, version_base=None):
         return compose(config_name, overrides=list(overrides))
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
+from ddp_lab import checkpoint
 from ddp_lab.config import ConfigError, validate
 from helpers import compose_config, launch_together, run_cmd
 from reliab_helpers import launch
@@ -107,7 +108,7 @@ def test_keep_every_not_a_multiple_of_checkpoint_every_fails_clearly():
     (The epoch-interval case, checked once the data is built: test_resume.py.)"""
     with pytest.raises(ConfigError, match="train.keep_every=6 must be a multiple of "
                                           "train.checkpoint_every=4"):
-        validate(compose_config(["train.checkpoint_every=4", "train.keep_every=6"]))
+        checkpoint.check_keep_every(6, 4, steps_per_epoch=10)
 
 
 # ---- data that cannot be read -----------------------------------------------------------------
@@ -208,9 +209,9 @@ def test_a_read_only_run_dir_fails_clearly(tmp_path):
 
 def test_unwritable_reports_the_os_reason(tmp_path, monkeypatch):
     """The message path of a permission failure, simulated (tests may run as root)."""
-    from ddp_lab import guard
+    from ddp_lab import cli
 
     def refuse(*a, **k):
         raise PermissionError(13, "Permission denied", str(tmp_path))
     monkeypatch.setattr("tempfile.mkstemp", refuse)
-    assert guard.unwritable(str(tmp_path)) == f"Permission denied ({tmp_path})"
+    assert cli.unwritable(str(tmp_path)) == f"Permission denied ({tmp_path})"

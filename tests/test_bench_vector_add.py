@@ -25,7 +25,7 @@ def test_cli_rows_are_consistent(together):
         assert r["mb"] == pytest.approx(12 * r["n"] / 1e6)
         assert "gpu_kernel_ms" not in r  # no GPU here
     info = json.load(open(run_dir / "vector_add_info.json"))
-    assert info["environment"]["device"] == "cpu"
+    assert info["provenance"]["device"] == "cpu"
 
 
 def test_crossover_is_where_the_gpu_stays_faster():

@@ -23,7 +23,7 @@ def test_overrides_land():
     assert cfg.data.num_classes == 1000  # synthetic takes the model's default classes
     assert cfg.precision.autocast_dtype == "bfloat16"
     assert cfg.train.batch_size == 7 and cfg.optim.lr == 0.5
-    assert cfg.sync.bucket_cap_mb == 4  # DDP's knob follows sync.bucket_mb unless set itself
+    assert cfg.sync.bucket_mb == 4
 
 
 def test_unknown_group_option_lists_choices():

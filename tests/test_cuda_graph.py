@@ -127,7 +127,7 @@ def test_graphed_training_is_bitwise_the_eager_run(tmp_path, monkeypatch, settin
 def test_a_non_finite_replayed_step_is_skipped_and_reported():
     """A NaN loss, then an inf gradient under a finite loss, in consecutive replays: both skipped
     (parameters untouched) and reported with their cause."""
-    from ddp_lab.guard import Guard
+    from ddp_lab.guard import Guard, rank_flags
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -135,9 +135,8 @@ def test_a_non_finite_replayed_step_is_skipped_and_reported():
                                 torch.nn.Linear(16, 4)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     DeviceLR(opt)
-    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0, cuda_graph=True)
-    guard = Guard(tcfg, "none",
-                  SimpleNamespace(rank=0, world_size=1), model,
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0)
+    guard = Guard(tcfg, SimpleNamespace(rank=0, world_size=1), model,
                   torch.amp.GradScaler("cuda", enabled=False), total_steps=100)
     step_no = [0]
     grad_scale = torch.ones((), device=dev)  # inf: the first layer's gradients overflow
@@ -164,7 +163,8 @@ def test_a_non_finite_replayed_step_is_skipped_and_reported():
                         "captured" if i == EAGER_CALLS + 1 else "replayed")
         if what != "eager":
             guard.replayed(i)
-            flags[i] = guard.rank_flags(*guard._pending[-1][1:3]).flatten().tolist()
+            verdict = guard._pending[-1]
+            flags[i] = rank_flags(verdict.found, verdict.detail).flatten().tolist()
         same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
         assert same == (i in (nan_loss, inf_grad)), i
     guard.end_step(EAGER_CALLS + 4, sync_point=True)

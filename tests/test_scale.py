@@ -140,9 +140,10 @@ def test_plot_report_and_manifest(sweep):
     assert "| n2-ddp | ok |" in report and "How to read this" in report
     m = json.load(open(out / "manifest.json"))
     for key in ("gpus", "gpu_count", "cpu_count", "torch", "cuda", "nccl", "nccl_env",
-                "git_commit", "config", "nvidia_smi_topo"):
-        assert key in m
-    assert m["config"]["nproc"] == [1, 2] and m["cpu_count"] == os.cpu_count()
+                "git_commit"):
+        assert key in m["provenance"]
+    assert "config" in m and "nvidia_smi_topo" in m
+    assert m["config"]["nproc"] == [1, 2] and m["provenance"]["cpu_count"] == os.cpu_count()
     assert m["point_overrides"][:2] == TINY[:2]
 
 
@@ -207,10 +208,10 @@ def test_strong_scaling_plan():
     from ddp_lab.config import ConfigError
     from ddp_lab.scale import sweep
     from ddp_lab.scale.config import register_scale_config
-    from helpers import _register_resolvers
+    from ddp_lab.cli import register_resolvers
 
     register_scale_config()
-    _register_resolvers()
+    register_resolvers()
     with initialize_config_dir(CONF_DIR, version_base=None):
         cfg = compose("scale", overrides=["mode=strong", "global_batch=16", "nproc=[1,2,4]",
                                           "syncs=[ddp]", "profile=cpu"])
@@ -230,12 +231,12 @@ def test_strong_scaling_plan():
         assert [(p.sync, p.world_size, p.per_rank_batch) for p in points] == [
             ("none", 1, 4), ("ddp", 1, 4), ("ddp", 2, 4),
             ("none", 1, 16), ("ddp", 1, 16), ("ddp", 2, 16)]
-        # On GPUs a sweep times every step's phases (the loop's default is every 5th), unless told
+        # The GPU profile's point defaults, unless told otherwise
         gpu = compose("scale", overrides=["nproc=[1]", "syncs=[ddp]", "profile=gpu"])
         [point], _ = sweep.plan(gpu, [], "/tmp/x")
-        assert "train.phase_every=1" in point.args
-        [point], _ = sweep.plan(gpu, ["train.phase_every=5"], "/tmp/x")
-        assert "train.phase_every=5" in point.args and "train.phase_every=1" not in point.args
+        assert "train.timing_warmup=10" in point.args
+        [point], _ = sweep.plan(gpu, ["train.timing_warmup=5"], "/tmp/x")
+        assert "train.timing_warmup=5" in point.args and "train.timing_warmup=10" not in point.args
 
 
 @pytest.mark.parametrize("emit", list(EMIT))

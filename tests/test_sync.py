@@ -19,7 +19,7 @@ TOL = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 2e-3}  # relative to the largest aver
 
 def scfg(name, overlap=True, comm_dtype="fp32", bucket_mb=0.001):
     return SimpleNamespace(name=name, overlap=overlap, comm_dtype=comm_dtype, bucket_mb=bucket_mb,
-                           bucket_cap_mb=bucket_mb, gradient_as_bucket_view=False,
+                           gradient_as_bucket_view=False,
                            static_graph=False)
 
 

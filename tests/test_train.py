@@ -59,7 +59,7 @@ def test_outputs_of_a_run(single_process_reference):
     ckpt = torch.load(os.path.join(run, "checkpoint.pt"), weights_only=True)
     assert set(ckpt["model"]) == set(_initial_params())
     info = json.load(open(os.path.join(run, "run_info.json")))
-    assert info["run"]["torch"] == torch.__version__ and "git_commit" in info["run"]
+    assert info["provenance"]["torch"] == torch.__version__ and "git_commit" in info["provenance"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(run))
     acc.Reload()

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab import comm, dist as ddp_dist
+from ddp_lab import comm
+from ddp_lab.dist import destroy_group, init_group, print0
 from ddp_lab.bench.common import format_table, plot_lines, time_fn, write_rows
 from ddp_lab.config import ConfigError, DistConfig
 
@@ -104,11 +105,11 @@ def _wrong(result: torch.Tensor, reference: torch.Tensor, n: int, chunk: int = 1
 
 def bench(cfg, run_dir: str) -> list[dict]:
     validate(cfg)
-    info = ddp_dist.init(cfg.dist.backend, cfg.dist.timeout_s)
+    info = init_group(cfg.dist.backend, cfg.dist.timeout_s)
     try:
         return _bench(cfg, run_dir, info)
     finally:
-        ddp_dist.cleanup()
+        destroy_group()
 
 
 def _bench(cfg, run_dir, info) -> list[dict]:
@@ -117,7 +118,7 @@ def _bench(cfg, run_dir, info) -> list[dict]:
     rows = []
     todo = sizes(cfg, info.backend)
     if info.backend == "gloo" and cfg.max_bytes > cfg.cpu_max_bytes:
-        ddp_dist.print0(f"gloo on CPU: sizes above cpu_max_bytes={cfg.cpu_max_bytes} left out")
+        print0(f"gloo on CPU: sizes above cpu_max_bytes={cfg.cpu_max_bytes} left out")
     gen = torch.Generator(device=device)
     for dname in cfg.dtypes:
         dtype = DTYPES[dname]
@@ -192,7 +193,7 @@ def _report(cfg, rows, run_dir) -> None:
 
 
 def main() -> None:
-    from ddp_lab.train import run_hydra_app
+    from ddp_lab.cli import run_hydra_app
 
     run_hydra_app(bench, "bench/allreduce")
 

@@ -100,29 +100,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
-def environment(device: torch.device | str) -> dict:
-    """How a benchmark was made: versions, the device's name, CPU threads, git commit."""
-    import platform
-    import socket
-
-    device = torch.device(device)
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device),
-            "hostname": socket.gethostname(), "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    sm_count=props.multi_processor_count,
-                    capability=f"{props.major}.{props.minor}")
-    try:
-        from ddp_lab.train import git_commit
-
-        info["git_commit"] = git_commit()
-    except Exception:  # a benchmark must not fail for want of git
-        info["git_commit"] = "unknown"
-    return info
-
-
 def report(rows: Sequence[dict], out_dir: str, name: str, columns: Sequence[str] | None = None,
            title: str = "", notes: Sequence[str] = ()) -> str:
     """Print `title`, the table and `notes`; write the rows (JSON lines + CSV). Returns the table."""
@@ -137,16 +114,14 @@ def report(rows: Sequence[dict], out_dir: str, name: str, columns: Sequence[str]
 
 
 def write_info(out_dir: str, name: str, cfg, device, **extra) -> str:
-    """out_dir/name_info.json: the resolved config, the environment and anything in `extra`."""
+    """out_dir/name_info.json: how the benchmark was made (ddp_lab.provenance), the resolved
+    config and anything in `extra`."""
     from omegaconf import OmegaConf
 
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}_info.json")
+    from ddp_lab import provenance
+
     cfg_dict = OmegaConf.to_container(cfg, resolve=True) if cfg is not None else {}
-    with open(path, "w") as f:
-        json.dump({"config": cfg_dict, "environment": environment(device), **extra}, f,
-                  indent=2, default=str)
-    return path
+    return provenance.write(os.path.join(out_dir, f"{name}_info.json"), cfg_dict, device, **extra)
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:

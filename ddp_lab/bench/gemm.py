@@ -229,7 +229,7 @@ def run(cfg, run_dir: str) -> list[dict]:
 
 
 def main() -> None:
-    from ddp_lab.train import run_hydra_app
+    from ddp_lab.cli import run_hydra_app
 
     run_hydra_app(run, "bench/gemm")
 

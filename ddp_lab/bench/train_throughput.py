@@ -106,10 +106,10 @@ def compose_train_config(overrides: list[str]):
     from hydra.core.global_hydra import GlobalHydra
 
     from ddp_lab.config import register_configs
-    from ddp_lab.train import CONF_DIR, _register_resolvers
+    from ddp_lab.cli import CONF_DIR, register_resolvers
 
     register_configs()
-    _register_resolvers()
+    register_resolvers()
     if GlobalHydra.instance().is_initialized():
         return compose("config", overrides=list(overrides))
     with initialize_config_dir(CONF_DIR, version_base=None):
@@ -455,7 +455,7 @@ def run(cfg, run_dir: str) -> list[dict]:
 
 
 def main() -> None:
-    from ddp_lab.train import run_hydra_app
+    from ddp_lab.cli import run_hydra_app
 
     run_hydra_app(run, "bench/train_throughput")
 

@@ -156,8 +156,8 @@ def task(cfg, run_dir: str) -> None:
                     say(f"[{i}/{len(points)}] {p.name}: running (timeout {timeout:.0f} s)")
                     sweep.launch(p, env, timeout, cfg.keep_checkpoints)
                 say(f"[{i}/{len(points)}] {p.name}: {_result(p)}")
-        man = outputs.manifest(cfg_dict, PASSTHROUGH, profile, env)
-        outputs.write_json(man, os.path.join(run_dir, "manifest.json"))
+        man = outputs.write_manifest(os.path.join(run_dir, "manifest.json"), cfg_dict,
+                                     PASSTHROUGH, profile, env)
         rows = sweep.rows_from_points(points)
         if not cfg.collect or cfg.predict.table:  # collected runs: only a given table
             fits = _fits(cfg, points, run_dir, profile, env, say)
@@ -212,7 +212,7 @@ def run_name(overrides: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ddp_lab.train import run_hydra_app
+    from ddp_lab.cli import run_hydra_app
 
     argv = list(sys.argv[1:] if argv is None else argv)
     scale_args = [a for a in argv if not sweep.PASS_THROUGH.match(a)]

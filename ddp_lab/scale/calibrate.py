@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ddp_lab import dist as ddp_dist
+from ddp_lab.dist import destroy_group, init_group
 from ddp_lab.bench.common import time_fn
 from ddp_lab.comm.cost import bus_bandwidth
 
@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.2,
                    help="timed seconds per size to aim for (more iterations for fast sizes)")
     a = p.parse_args()
-    info = ddp_dist.init("auto", 300.0)
+    info = init_group("auto", 300.0)
     try:
         rows = []
         warm = torch.zeros(1024, device=info.device)
@@ -78,7 +78,7 @@ def main() -> None:
                 for r in rows:
                     f.write(json.dumps(r) + "\n")
     finally:
-        ddp_dist.cleanup()
+        destroy_group()
 
 
 if __name__ == "__main__":

@@ -3,14 +3,11 @@ as the step, scaling.png, report.md and manifest.json."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
-import sys
 
 from ddp_lab.bench.common import format_table, write_rows
 
@@ -119,32 +116,20 @@ def _cmd(args: list[str], timeout: float = 20) -> str | None:
         return f"({args[0]} failed: {e})"
 
 
-def manifest(cfg_dict: dict, passthrough: list[str], profile: str, env: dict) -> dict:
-    """How the sweep was made: hardware, software, environment, commit, configuration."""
-    import torch
+def write_manifest(path: str, cfg_dict: dict, passthrough: list[str], profile: str,
+                   env: dict) -> dict:
+    """manifest.json: how the sweep was made (ddp_lab.provenance), the GPUs' topology, the
+    environment the points ran in, the configuration. Returns what it wrote."""
+    from ddp_lab import provenance
 
-    from ddp_lab import dist as ddp_dist
-    from ddp_lab.train import git_commit
-
-    v = ddp_dist.versions()
-    gpus = v.get("gpus", [])
-    return {
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "argv": sys.argv, "git_commit": git_commit(), "hostname": v["hostname"],
-        "platform": platform.platform(), "python": sys.version.split()[0],
-        "cpu_count": os.cpu_count(), "gpu_count": len(gpus), "gpus": gpus,
-        "nvidia_smi_topo": _cmd(["nvidia-smi", "topo", "-m"]),
-        "nvidia_smi": _cmd(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,"
-                            "clocks.max.sm,power.limit", "--format=csv"]),
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "nccl": v.get("nccl"),
-        "nccl_env": {k: val for k, val in env.items() if k.startswith("NCCL_")},
-        "omp_num_threads": env.get("OMP_NUM_THREADS"),
-        # Other work on the machine shows up as "scaling loss": record how busy it was.
-        "loadavg_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "profile": profile, "point_overrides": passthrough, "config": cfg_dict,
-    }
+    provenance.write(path, cfg_dict, profile=profile, point_overrides=passthrough,
+                     nvidia_smi_topo=_cmd(["nvidia-smi", "topo", "-m"]),
+                     nvidia_smi=_cmd(["nvidia-smi", "--query-gpu=name,memory.total,"
+                                      "driver_version,clocks.max.sm,power.limit", "--format=csv"]),
+                     point_env={k: v for k, v in env.items()
+                                if k.startswith("NCCL_") or k == "OMP_NUM_THREADS"})
+    with open(path) as f:
+        return json.load(f)
 
 
 def _fmt(v) -> str:
@@ -165,13 +150,14 @@ def report(rows: list[dict], fits: dict, man: dict, out_dir: str, extra: str = "
     """report.md: the table, the model's prediction next to it, failures, how to read it."""
     ok = [r for r in rows if r["status"] == "ok"]
     failed = [r for r in rows if r["status"] != "ok"]
-    dev = ", ".join(man["gpus"]) if man["gpus"] else f"{man['cpu_count']} CPU cores"
+    prov = man["provenance"]
+    dev = ", ".join(prov["gpus"]) if prov["gpus"] else f"{prov['cpu_count']} CPU cores"
     mode = rows[0]["mode"] if rows else "weak"
     lines = [
         "# Scaling report", "",
         f"{len(ok)} of {len(rows)} points ran; {mode} scaling; device: {dev}; torch "
-        f"{man['torch']}, CUDA {man['cuda']}, NCCL {man['nccl'] or 'n/a'}; commit "
-        f"{man['git_commit']}.",
+        f"{prov['torch']}, CUDA {prov['cuda']}, NCCL {prov['nccl'] or 'n/a'}; commit "
+        f"{prov['git_commit']}.",
         f"Point settings: profile `{man['profile']}`, training overrides "
         f"`{' '.join(man['point_overrides']) or '(none)'}`; each point's command is the first "
         "line of its `points/<name>/launcher.log`.",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ddp_lab.config import ConfigError
 from ddp_lab.cost import network as net
-from ddp_lab.train import CONF_DIR
+from ddp_lab.cli import CONF_DIR
 
 # Point defaults by device. Everything here can be overridden on the command line.
 PROFILES = {
@@ -41,8 +41,7 @@ PROFILES = {
             "train.batch_size": "8", "train.max_steps": "12", "train.timing_warmup": "3"},
     "gpu": {"model": "alexnet", "data": "synthetic", "precision": "bf16",
             "train.channels_last": "true", "train.batch_size": "256", "train.max_steps": "60",
-            # the breakdown is what a sweep is for: every step's phases, not every 5th
-            "train.timing_warmup": "10", "train.phase_every": "1"},
+            "train.timing_warmup": "10"},
 }
 # Always: no mid-run evaluation, one checkpoint at the end, no progress bar, never resume.
 FIXED = {"train.eval_every_epochs": "0", "train.progress": "false", "train.resume": "never"}

@@ -48,7 +48,7 @@ class DDPSync(GradSync):
         self.ddp = DistributedDataParallel(
             model,
             device_ids=[self.device] if self.device.type == "cuda" else None,
-            bucket_cap_mb=self.cfg.bucket_cap_mb,
+            bucket_cap_mb=self.cfg.bucket_mb,
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
         )
