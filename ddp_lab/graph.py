@@ -1,7 +1,7 @@
 """Whole-step CUDA graphs (`train.cuda_graph=true`): the step's forward, backward, non-finite
 guard and optimizer update captured once and replayed, one host call instead of ~100 kernel
 launches. For models whose step is bounded by how fast the host issues ops (AlexNet-CIFAR on an
-H200: ~50 us of host time per op, far more than the op's GPU time), it is the difference between
+H200: an op's host time is far more than its GPU time), it is the difference between
 the GPU waiting and the GPU working.
 
 A graph replays fixed work on fixed addresses, so everything the step reads or writes must stay

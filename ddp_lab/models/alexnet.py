@@ -10,7 +10,7 @@ from torch import nn
 
 def AlexNet(num_classes: int = 1000, dropout: float = 0.5) -> nn.Module:
     """torchvision's AlexNet (the one-GPU variant of Krizhevsky et al.), randomly initialised."""
-    # Imported here: torchvision.models loads every model family (~3 s on a 2-core VM), which
+    # Imported here: torchvision.models loads every model family (seconds on a small VM), which
     # every rank of an AlexNet-CIFAR run would otherwise pay at start-up.
     from torchvision.models import alexnet as torchvision_alexnet
 

@@ -2,8 +2,8 @@
 
 AlexNet's first layer sees 3 input channels. Tensor-core convolutions want the channel count to be a
 multiple of 8, so in channels_last cuDNN pads the input to 8 channels (a copy of the whole batch,
-`nhwcAddPaddingKernel`) and then runs a kernel that wastes 5/8 of its work: on an H200 this one
-layer took ~22% of a bf16 AlexNet step for ~10% of its FLOPs.
+`nhwcAddPaddingKernel`) and then runs a kernel that wastes 5/8 of its work: this one layer takes a
+share of a bf16 AlexNet step far above its share of the FLOPs (docs/results/h200-step-variants).
 
 A stride-s convolution is exactly a stride-1 convolution over the s x s space-to-depth image:
 pixel (s*b + d) of the padded input becomes pixel b of channel (c, dy, dx), and kernel tap k
