@@ -269,8 +269,8 @@ def loop(run: Run) -> None:
     run.model.train()
     run.timer.restart()
     for step in range(run.start_step + 1, run.stop_step + 1):
-        run.heartbeat.beat(step)
         run.faults.on_step(step)  # fault.* injection (tests, demos); off by default
+        run.heartbeat.beat(step)  # (after it: a rank that hangs there never began the step)
         batch = next(batches)
         run.timer.mark("data")
         step_fn(step, batch, run.timer.mark)
