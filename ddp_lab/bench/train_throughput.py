@@ -23,9 +23,9 @@ own ratio (its two loops ran back to back, so slow drift of a shared host cancel
 of each repeat's ratio of median steps.
 The ddp side also pays for what a real loop does: indexing its data pool, labels, LR schedule,
 loss bookkeeping, a step timer; the ratio is that overhead. Where the host bounds the step (a
-small model, eager), a shared host moves it by ±8% from run to run, and single repeats by more
-(0.6-1.6 in one session, even pinned to an idle core): pin it (`scripts/loop_overhead.sh`), use
-repeats, and read `ratio_paired` / `ratio_med_paired`.
+small model, eager), a shared host moves it by a few percent from run to run, and single repeats
+by far more, even pinned to an idle core: pin it (`scripts/loop_overhead.sh`), use repeats, and
+read `ratio_paired` / `ratio_med_paired`.
 
 MFU = achieved / peak, achieved = FLOPs per image per training step (counted by
 `ddp_lab.cost.compute`) x img/s; `mfu_sheet` against the datasheet peak of the precision,
@@ -86,7 +86,7 @@ class TrainThroughputConfig:
     predict_memory: bool = True
     gemm_results: str = ""  # a gemm.jsonl from ddp_lab.bench.gemm: measured peaks for mfu_gemm
     matrix: bool = True  # false: skip the throughput matrix (e.g. profile only)
-    keep_checkpoints: bool = False  # the ddp_lab side writes checkpoint.pt (~0.5 GB for AlexNet)
+    keep_checkpoints: bool = False  # the ddp_lab side writes checkpoint.pt (large for AlexNet)
     profile: bool = False
     profile_steps: int = 5
     top_k: int = 12
@@ -304,16 +304,27 @@ def profile_pass(cfg, device: torch.device, steps: int, top_k: int) -> tuple[lis
 
 # ---- the benchmark -----------------------------------------------------------------------------
 
-def run(cfg, run_dir: str) -> list[dict]:
-    from ddp_lab.cost import compute, memory as mem
+@dataclass
+class Bench:
+    """What every row of one run shares: the device, the net and its sizes, FLOPs and peaks."""
+    device: torch.device
+    model: str  # a ddp_lab model name (net=, or cpu_net= on a CPU)
+    precisions: list[str]
+    batches: list[int]
+    steps: int
+    warmup: int
+    size: int  # image side, px
+    flops: float  # per image per training step
+    dev_name: str
+    measured: dict  # dtype -> the best GEMM TFLOP/s of gemm_results=, for mfu_gemm
+    net: torch.nn.Module | None  # a CPU copy for the memory prediction (predict_memory=true)
+    activations: dict = field(default_factory=dict)  # (precision, channels_last) -> bytes
+
+
+def check_config(cfg, model: str, precisions, batches, steps: int, warmup: int) -> None:
+    from ddp_lab.cost import memory as mem
     from ddp_lab.models import MODELS
 
-    device = resolve_device(cfg.device)
-    on_cpu = device.type == "cpu"
-    model = cfg.cpu_net if on_cpu else cfg.net
-    precisions = cfg.cpu_precisions if on_cpu else cfg.precisions
-    batches = cfg.cpu_batches if on_cpu else cfg.batches
-    steps, warmup = (cfg.cpu_steps, cfg.cpu_warmup) if on_cpu else (cfg.steps, cfg.warmup)
     if model not in MODELS:
         raise ConfigError(f"net={model!r} is not one of {', '.join(MODELS)}")
     if steps <= 0 or warmup < 0 or cfg.repeats <= 0 or min(batches, default=0) <= 0:
@@ -322,6 +333,19 @@ def run(cfg, run_dir: str) -> list[dict]:
     if bad:
         raise ConfigError(f"precision {bad[0]!r} is not one of {', '.join(mem.PRECISION_SCHEME)}")
 
+
+def build_bench(cfg) -> Bench:
+    """The run's settings (the cpu_* ones on a CPU), checked, with what every row needs."""
+    from ddp_lab.cost import compute
+    from ddp_lab.models import MODELS
+
+    device = resolve_device(cfg.device)
+    on_cpu = device.type == "cpu"
+    model = cfg.cpu_net if on_cpu else cfg.net
+    precisions = cfg.cpu_precisions if on_cpu else cfg.precisions
+    batches = cfg.cpu_batches if on_cpu else cfg.batches
+    steps, warmup = (cfg.cpu_steps, cfg.cpu_warmup) if on_cpu else (cfg.steps, cfg.warmup)
+    check_config(cfg, model, precisions, batches, steps, warmup)
     size = 224 if model == "alexnet" else 32
     classes = 1000 if model == "alexnet" else 10
     flops = compute.count_flops(MODELS[model](num_classes=classes), (3, size, size)).step
@@ -331,125 +355,178 @@ def run(cfg, run_dir: str) -> list[dict]:
         if not os.path.exists(cfg.gemm_results):
             raise ConfigError(f"gemm_results={cfg.gemm_results!r} does not exist")
         measured = compute.measured_peaks(cfg.gemm_results, device.type)  # this device's peaks
-    mem_cache: dict = {}
     net = MODELS[model](num_classes=classes) if cfg.predict_memory else None
+    return Bench(device, model, precisions, batches, steps, warmup, size, flops, dev_name,
+                 measured, net)
 
-    rows = []
-    graphs = [g for g in cfg.cuda_graph if not (g and on_cpu)]
+
+def matrix(cfg, b: Bench) -> list[tuple]:
+    """The rows to run: (precision, channels_last, compile, cuda_graph, batch) each."""
+    graphs = [g for g in cfg.cuda_graph if not (g and b.device.type == "cpu")]
     if len(graphs) < len(cfg.cuda_graph):
         print("cuda_graph=true rows skipped: CUDA graphs need a CUDA device", flush=True)
-    combos = [c for c in itertools.product(precisions, cfg.channels_last, cfg.compile, graphs,
-                                           batches)
+    combos = [c for c in itertools.product(b.precisions, cfg.channels_last, cfg.compile, graphs,
+                                           b.batches)
               if not (c[3] and c[0] == "fp16")]  # fp16's GradScaler decides on the host
-    if not cfg.matrix:
-        combos = []
-    for i, (precision, cl, comp, graph, batch) in enumerate(combos):
+    return combos if cfg.matrix else []
+
+
+def run_pair(cfg, b: Bench, tcfg, name: str, run_dir: str) -> tuple[list[dict], list[dict]]:
+    """Both loops, `repeats` times, alternating which goes first; returns (bares, ddps)."""
+    bares, ddps = [], []
+    for rep in range(cfg.repeats):
+        order = ("bare", "ddp") if rep % 2 == 0 else ("ddp", "bare")
+        for side in order:
+            _free(b.device)
+            if side == "bare":
+                bares.append(bare_loop(tcfg, b.device, b.steps, b.warmup))
+            else:
+                ddps.append(ddp_loop(tcfg, os.path.join(run_dir, "ddp_lab", f"{name}_r{rep}"),
+                                     cfg.keep_checkpoints))
+    return bares, ddps
+
+
+def predicted_memory_gb(b: Bench, precision: str, cl: bool, batch: int) -> float:
+    from ddp_lab.cost import memory as mem
+
+    if (precision, cl) not in b.activations:  # the activation measurement is a CPU forward
+        b.activations[(precision, cl)] = mem.activation_bytes(b.net, (3, b.size, b.size),
+                                                              mem.AUTOCAST[precision], cl)
+    pred = mem.predict_training_memory(b.net, batch, b.size, precision, "sgd_momentum", cl,
+                                       activations=b.activations[(precision, cl)])
+    return pred["total"] / 1e9
+
+
+def make_row(b: Bench, combo: tuple, stem: str, bares: list[dict], ddps: list[dict]) -> dict:
+    """One table row from both loops' repeats: img/s, ratios, TFLOP/s, MFU, memory, checks."""
+    from ddp_lab.cost import compute
+
+    precision, cl, comp, graph, batch = combo
+    med = lambda xs, k: statistics.median(x[k] for x in xs)
+    row = {"model": b.model, "stem": stem, "precision": precision,
+           "channels_last": cl, "compile": comp, "cuda_graph": graph,
+           "batch": batch, "steps": b.steps,
+           "ddp_img_s": med(ddps, "img_s"), "bare_img_s": med(bares, "img_s")}
+    row["ratio"] = row["ddp_img_s"] / row["bare_img_s"]
+    row["ddp_img_s_med"], row["bare_img_s_med"] = med(ddps, "img_s_med"), med(bares, "img_s_med")
+    row["ratio_med"] = row["ddp_img_s_med"] / row["bare_img_s_med"]
+    row["ddp_step_ms"], row["bare_step_ms"] = med(ddps, "step_ms_med"), med(bares, "step_ms_med")
+    row.update(paired_ratios(ddps, bares))
+    row["gflop_per_img"] = b.flops / 1e9
+    row["ddp_tflops"] = compute.achieved_tflops(b.flops, row["ddp_img_s"])
+    row["mfu_sheet"] = compute.mfu(row["ddp_tflops"], compute.datasheet_peak(b.dev_name, precision))
+    gemm_dtype = "tf32" if precision == "tf32" else precision
+    row["mfu_gemm"] = compute.mfu(row["ddp_tflops"], b.measured.get(gemm_dtype, float("nan")))
+    if b.net is not None:
+        row["pred_mem_gb"] = predicted_memory_gb(b, precision, cl, batch)
+        row["peak_mem_gb"] = med(bares, "peak_mem_bytes") / 1e9
+    row["bare_loss"] = bares[-1]["loss"]
+    row["ok"] = bool(all(d["timed_steps"] == b.steps for d in ddps)
+                     and all(x["loss"] == x["loss"] and abs(x["loss"]) != float("inf")
+                             for x in bares))
+    return row
+
+
+def run_matrix(cfg, b: Bench, combos: list[tuple], run_dir: str) -> list[dict]:
+    rows = []
+    for i, combo in enumerate(combos):
+        precision, cl, comp, graph, batch = combo
         name = f"{precision}_cl{int(cl)}_compile{int(comp)}{'_graph' * graph}_b{batch}"
         print(f"[{i + 1}/{len(combos)}] {name}", flush=True)
-        tcfg = compose_train_config(row_overrides(model, precision, cl, comp, batch, steps, warmup,
-                                                  device, cfg.seed, cfg.ddp_overrides, graph))
-        bares, ddps = [], []
-        for rep in range(cfg.repeats):
-            order = ("bare", "ddp") if rep % 2 == 0 else ("ddp", "bare")
-            for side in order:
-                _free(device)
-                if side == "bare":
-                    bares.append(bare_loop(tcfg, device, steps, warmup))
-                else:
-                    ddps.append(ddp_loop(tcfg, os.path.join(run_dir, "ddp_lab", f"{name}_r{rep}"),
-                                         cfg.keep_checkpoints))
-        med = lambda xs, k: statistics.median(x[k] for x in xs)
-        row = {"model": model, "stem": tcfg.model.stem, "precision": precision,
-               "channels_last": cl, "compile": comp, "cuda_graph": graph,
-               "batch": batch, "steps": steps,
-               "ddp_img_s": med(ddps, "img_s"), "bare_img_s": med(bares, "img_s")}
-        row["ratio"] = row["ddp_img_s"] / row["bare_img_s"]
-        row["ddp_img_s_med"], row["bare_img_s_med"] = med(ddps, "img_s_med"), med(bares, "img_s_med")
-        row["ratio_med"] = row["ddp_img_s_med"] / row["bare_img_s_med"]
-        row["ddp_step_ms"], row["bare_step_ms"] = med(ddps, "step_ms_med"), med(bares, "step_ms_med")
-        row.update(paired_ratios(ddps, bares))
-        row["gflop_per_img"] = flops / 1e9
-        row["ddp_tflops"] = compute.achieved_tflops(flops, row["ddp_img_s"])
-        row["mfu_sheet"] = compute.mfu(row["ddp_tflops"], compute.datasheet_peak(dev_name, precision))
-        gemm_dtype = "tf32" if precision == "tf32" else precision
-        row["mfu_gemm"] = compute.mfu(row["ddp_tflops"], measured.get(gemm_dtype, float("nan")))
-        if cfg.predict_memory:
-            if (precision, cl) not in mem_cache:  # the activation measurement is a CPU forward
-                mem_cache[(precision, cl)] = mem.activation_bytes(net, (3, size, size),
-                                                                  mem.AUTOCAST[precision], cl)
-            pred = mem.predict_training_memory(net, batch, size, precision, "sgd_momentum", cl,
-                                               activations=mem_cache[(precision, cl)])
-            row["pred_mem_gb"] = pred["total"] / 1e9
-            row["peak_mem_gb"] = med(bares, "peak_mem_bytes") / 1e9
-        row["bare_loss"] = bares[-1]["loss"]
-        row["ok"] = bool(all(d["timed_steps"] == steps for d in ddps)
-                         and all(b["loss"] == b["loss"] and abs(b["loss"]) != float("inf") for b in bares))
+        tcfg = compose_train_config(row_overrides(b.model, precision, cl, comp, batch, b.steps,
+                                                  b.warmup, b.device, cfg.seed, cfg.ddp_overrides,
+                                                  graph))
+        bares, ddps = run_pair(cfg, b, tcfg, name, run_dir)
+        row = make_row(b, combo, tcfg.model.stem, bares, ddps)
         rows.append(row)
         print(f"    ddp {row['ddp_img_s']:.0f} img/s, bare {row['bare_img_s']:.0f} img/s, "
               f"ratio {row['ratio']:.3f}", flush=True)
+    return rows
 
-    notes = [f"device {dev_name}; FLOPs per image per training step {flops / 1e9:.3f} G "
+
+def matrix_notes(rows: list[dict], b: Bench) -> list[str]:
+    notes = [f"device {b.dev_name}; FLOPs per image per training step {b.flops / 1e9:.3f} G "
              "(conv + matmul, forward + backward)",
              f"{sum(not r['ok'] for r in rows)} row(s) with a failed check (a non-finite loss, or "
              "fewer timed steps than asked)"]
-    if rows:
-        best = max(rows, key=lambda r: r["ddp_img_s"])
-        notes.append(f"best ddp_lab row: {best['precision']} channels_last={best['channels_last']} "
-                     f"compile={best['compile']} cuda_graph={best['cuda_graph']} batch "
-                     f"{best['batch']}: {best['ddp_img_s']:.0f} img/s, {best['ddp_tflops']:.1f} "
-                     f"TFLOP/s, MFU {best['mfu_sheet']:.1%} of the datasheet peak")
-        notes.append("ddp_lab / bare, paired by repeat: median over rows "
-                     f"{statistics.median(r['ratio_paired'] for r in rows):.3f} (lowest row "
-                     f"{min(r['ratio_paired'] for r in rows):.3f}); the issue's target is >= 0.97")
-        fp32 = {(r["compile"], r["cuda_graph"], r["batch"]): r["ddp_img_s"] for r in rows
-                if r["precision"] == "fp32" and not r["channels_last"]}
-        for r in rows:
-            key = (r["compile"], r["cuda_graph"], r["batch"])
-            if r["precision"] == "bf16" and r["channels_last"] and key in fp32:
-                notes.append(f"bf16 + channels_last vs fp32 (compile={r['compile']}, cuda_graph="
-                             f"{r['cuda_graph']}, batch {r['batch']}): "
-                             f"{r['ddp_img_s'] / fp32[key]:.2f}x "
-                             "(target >= 3x)")
-    cols = ["stem", "precision", "channels_last", "compile", "cuda_graph", "batch", "ddp_img_s",
-            "bare_img_s", "ratio", "ratio_med", "ratio_paired", "ratio_lo", "ratio_hi",
-            "ratio_med_paired", "ddp_step_ms", "ddp_tflops", "mfu_sheet", "mfu_gemm", "pred_mem_gb", "peak_mem_gb", "ok"]
-    if combos:
-        report(rows, run_dir, "train_throughput", [c for c in cols if c in rows[0]],
-               title=f"training throughput: {model}, ddp_lab loop vs bare PyTorch loop", notes=notes)
+    if not rows:
+        return notes
+    best = max(rows, key=lambda r: r["ddp_img_s"])
+    notes.append(f"best ddp_lab row: {best['precision']} channels_last={best['channels_last']} "
+                 f"compile={best['compile']} cuda_graph={best['cuda_graph']} batch "
+                 f"{best['batch']}: {best['ddp_img_s']:.0f} img/s, {best['ddp_tflops']:.1f} "
+                 f"TFLOP/s, MFU {best['mfu_sheet']:.1%} of the datasheet peak")
+    notes.append("ddp_lab / bare, paired by repeat: median over rows "
+                 f"{statistics.median(r['ratio_paired'] for r in rows):.3f} (lowest row "
+                 f"{min(r['ratio_paired'] for r in rows):.3f}); the issue's target is >= 0.97")
+    fp32 = {(r["compile"], r["cuda_graph"], r["batch"]): r["ddp_img_s"] for r in rows
+            if r["precision"] == "fp32" and not r["channels_last"]}
+    for r in rows:
+        key = (r["compile"], r["cuda_graph"], r["batch"])
+        if r["precision"] == "bf16" and r["channels_last"] and key in fp32:
+            notes.append(f"bf16 + channels_last vs fp32 (compile={r['compile']}, cuda_graph="
+                         f"{r['cuda_graph']}, batch {r['batch']}): "
+                         f"{r['ddp_img_s'] / fp32[key]:.2f}x "
+                         "(target >= 3x)")
+    return notes
 
-    prof_summary = []
-    if cfg.profile:
-        kernels = []
-        for precision in precisions:
-            tcfg = compose_train_config(row_overrides(model, precision, cfg.channels_last[0], False,
-                                                      batches[0], steps, warmup, device, cfg.seed,
-                                                      cfg.ddp_overrides))
-            _free(device)
-            try:
-                top, summ = profile_pass(tcfg, device, cfg.profile_steps, cfg.top_k)
-            except Exception as e:  # a profiler that fails here must not cost the other results
-                print(f"profile of {precision} failed: {type(e).__name__}: {e}", flush=True)
-                continue
-            kernels += top
-            prof_summary.append(summ)
-            report(top, run_dir, f"kernels_{precision}",
-                   ["kernel", "calls_per_step", "ms_per_step", "pct", "tensor_core"],
-                   title=f"top {'CUDA kernels' if device.type == 'cuda' else 'CPU ops'}: {precision}")
-        report(prof_summary, run_dir, "profile_summary",
-               title="share of GPU kernel time on tensor cores, per precision",
-               notes=["tensor_core: a kernel-name heuristic (MMA / 16-bit / TF32 markers, "
-                      "overruled by ffma/sgemm/f32f32 SIMT markers); see is_tensor_core_kernel",
-                      "fp32 (TF32 off) should be near 0%, bf16/fp16 (and tf32) mostly tensor cores"])
-        write_rows(kernels, run_dir, "kernels")
+
+MATRIX_COLUMNS = ["stem", "precision", "channels_last", "compile", "cuda_graph", "batch",
+                  "ddp_img_s", "bare_img_s", "ratio", "ratio_med", "ratio_paired", "ratio_lo",
+                  "ratio_hi", "ratio_med_paired", "ddp_step_ms", "ddp_tflops", "mfu_sheet",
+                  "mfu_gemm", "pred_mem_gb", "peak_mem_gb", "ok"]
+
+
+def run_profiles(cfg, b: Bench, run_dir: str) -> list[dict]:
+    """One profiler pass per precision (eager, the first channels_last value and batch): each
+    one's top kernels, then the share on tensor cores of all; returns the per-precision summaries."""
+    kernels, summaries = [], []
+    for precision in b.precisions:
+        tcfg = compose_train_config(row_overrides(b.model, precision, cfg.channels_last[0], False,
+                                                  b.batches[0], b.steps, b.warmup, b.device,
+                                                  cfg.seed, cfg.ddp_overrides))
+        _free(b.device)
+        try:
+            top, summ = profile_pass(tcfg, b.device, cfg.profile_steps, cfg.top_k)
+        except Exception as e:  # a profiler that fails here must not cost the other results
+            print(f"profile of {precision} failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        kernels += top
+        summaries.append(summ)
+        report(top, run_dir, f"kernels_{precision}",
+               ["kernel", "calls_per_step", "ms_per_step", "pct", "tensor_core"],
+               title=f"top {'CUDA kernels' if b.device.type == 'cuda' else 'CPU ops'}: {precision}")
+    report(summaries, run_dir, "profile_summary",
+           title="share of GPU kernel time on tensor cores, per precision",
+           notes=["tensor_core: a kernel-name heuristic (MMA / 16-bit / TF32 markers, "
+                  "overruled by ffma/sgemm/f32f32 SIMT markers); see is_tensor_core_kernel",
+                  "fp32 (TF32 off) should be near 0%, bf16/fp16 (and tf32) mostly tensor cores"])
+    write_rows(kernels, run_dir, "kernels")
+    return summaries
+
+
+def plot_matrix(rows: list[dict], model: str, run_dir: str) -> None:
+    xs = list(range(len(rows)))
+    plot_lines({"ddp_lab": (xs, [r["ddp_img_s"] for r in rows]),
+                "bare": (xs, [r["bare_img_s"] for r in rows])},
+               os.path.join(run_dir, "train_throughput.png"),
+               xlabel="row (see train_throughput.csv)", ylabel="img/s",
+               title=f"{model}: ddp_lab vs bare loop")
+
+
+def run(cfg, run_dir: str) -> list[dict]:
+    b = build_bench(cfg)
+    combos = matrix(cfg, b)
+    rows = run_matrix(cfg, b, combos, run_dir)
+    if combos:
+        report(rows, run_dir, "train_throughput", [c for c in MATRIX_COLUMNS if c in rows[0]],
+               title=f"training throughput: {b.model}, ddp_lab loop vs bare PyTorch loop",
+               notes=matrix_notes(rows, b))
+    prof_summary = run_profiles(cfg, b, run_dir) if cfg.profile else []
     if cfg.plot and rows:
-        xs = list(range(len(rows)))
-        plot_lines({"ddp_lab": (xs, [r["ddp_img_s"] for r in rows]),
-                    "bare": (xs, [r["bare_img_s"] for r in rows])},
-                   os.path.join(run_dir, "train_throughput.png"),
-                   xlabel="row (see train_throughput.csv)", ylabel="img/s",
-                   title=f"{model}: ddp_lab vs bare loop")
-    write_info(run_dir, "train_throughput", cfg, device, flops_per_image_step=flops,
-               measured_peaks=measured, profile=prof_summary)
+        plot_matrix(rows, b.model, run_dir)
+    write_info(run_dir, "train_throughput", cfg, b.device, flops_per_image_step=b.flops,
+               measured_peaks=b.measured, profile=prof_summary)
     print(f"-> {run_dir}")
     return rows
 
