@@ -98,6 +98,29 @@ def bench_one(n: int, dtype: str, device: torch.device, warmup: int, iters: int,
             "ok": bool(err <= TOLERANCE[dtype])}
 
 
+def gpu_dot(ha: torch.Tensor, hb: torch.Tensor, ref, device: torch.device, dtype: str) -> dict:
+    """NumPy's float64 `a @ b` (pinned `ha`, `hb`) on the GPU in `dtype`: kernel only, and with
+    the copies in and out; `rel_err` of the first 64 rows against NumPy's `ref`."""
+    import numpy as np
+
+    n = ha.shape[0]
+    da, db = ha.to(device, DTYPES[dtype]), hb.to(device, DTYPES[dtype])
+    with _MathMode(tf32=dtype == "tf32"):
+        t = time_fn(lambda: da @ db, device, warmup=2, iters=5)
+        hc = torch.empty(n, n, dtype=DTYPES[dtype]).pin_memory()
+
+        def with_transfer():
+            xa = ha.to(device, non_blocking=True).to(DTYPES[dtype])
+            xb = hb.to(device, non_blocking=True).to(DTYPES[dtype])
+            hc.copy_(xa @ xb, non_blocking=True)
+
+        tt = time_fn(with_transfer, device, warmup=1, iters=3)
+        c = (da[:64] @ db).double().cpu().numpy()
+    err = float(np.linalg.norm(c - ref) / np.linalg.norm(ref))
+    return {"what": f"torch {device.type} {dtype}", "dtype": dtype, "n": n, "time_s": t,
+            "tflops": 2 * n**3 / t / 1e12, "rel_err": err, "with_transfer_s": tt}
+
+
 def numpy_vs_gpu(cfg, device: torch.device) -> list[dict]:
     """The seed's comparison: np.dot of two n x n float64 matrices (np.random.rand, as in the
     article) against the same product on the GPU (float64, as CuPy would do with those arrays), and
@@ -129,44 +152,33 @@ def numpy_vs_gpu(cfg, device: torch.device) -> list[dict]:
             print("  (threadpoolctl not installed: no single-thread NumPy row)")
     if device.type == "cuda":
         ha, hb = torch.from_numpy(a).pin_memory(), torch.from_numpy(b).pin_memory()
-        for dtype in ("fp64", "fp32", "tf32", "bf16"):
-            da, db = ha.to(device, DTYPES[dtype]), hb.to(device, DTYPES[dtype])
-            with _MathMode(tf32=dtype == "tf32"):
-                t = time_fn(lambda: da @ db, device, warmup=2, iters=5)
-                hc = torch.empty(n, n, dtype=DTYPES[dtype]).pin_memory()
-
-                def with_transfer():
-                    xa = ha.to(device, non_blocking=True).to(DTYPES[dtype])
-                    xb = hb.to(device, non_blocking=True).to(DTYPES[dtype])
-                    hc.copy_(xa @ xb, non_blocking=True)
-
-                tt = time_fn(with_transfer, device, warmup=1, iters=3)
-                c = (da[:64] @ db).double().cpu().numpy()
-            err = float(np.linalg.norm(c - ref) / np.linalg.norm(ref))
-            rows.append({"what": f"torch {device.type} {dtype}", "dtype": dtype, "n": n,
-                         "time_s": t, "tflops": 2 * n**3 / t / 1e12, "rel_err": err,
-                         "with_transfer_s": tt})
-            del da, db
+        rows += [gpu_dot(ha, hb, ref, device, dtype) for dtype in ("fp64", "fp32", "tf32", "bf16")]
     for r in rows:
         r["speedup_vs_numpy"] = t_numpy / r["time_s"]
     return rows
 
 
-def run(cfg, run_dir: str) -> list[dict]:
-    device = resolve_device(cfg.device)
+def check_config(cfg) -> None:
     for d in (*cfg.dtypes, *cfg.cpu_dtypes):
         if d not in DTYPES:
             raise ConfigError(f"dtype {d!r} is not one of {', '.join(DTYPES)}")
     if min((*cfg.sizes, *cfg.cpu_sizes), default=1) <= 0 or cfg.iters <= 0 or cfg.cpu_iters <= 0:
         raise ConfigError("sizes, cpu_sizes, iters and cpu_iters must be > 0")
 
-    rows: list[dict] = []
-    if device.type == "cuda":
-        for dtype in cfg.dtypes:
-            for n in cfg.sizes:
-                rows.append(bench_one(n, dtype, device, cfg.warmup, cfg.iters, cfg.check_rows, cfg.seed))
-                torch.cuda.empty_cache()
-    skipped = []
+
+def gpu_rows(cfg, device: torch.device) -> list[dict]:
+    rows = []
+    for dtype in cfg.dtypes:
+        for n in cfg.sizes:
+            rows.append(bench_one(n, dtype, device, cfg.warmup, cfg.iters, cfg.check_rows, cfg.seed))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def cpu_rows(cfg) -> tuple[list[dict], list[str]]:
+    """The CPU sizes in increasing order, each skipped once the last one's time, scaled by n^3,
+    predicts more than cpu_budget_s; returns (rows, what was skipped)."""
+    rows, skipped = [], []
     for dtype in cfg.cpu_dtypes:
         if dtype == "tf32":
             print("  (tf32 skipped on the CPU: TF32 is a CUDA math mode)")
@@ -181,12 +193,19 @@ def run(cfg, run_dir: str) -> list[dict]:
                             cfg.check_rows, cfg.seed)
             rows.append(row)
             last = (n, row["time_ms"] / 1e3)
+    return rows, skipped
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """GPU rows: vs_cpu_fp32 and vs_cpu_same, the CPU's time at the same n over the GPU's."""
     cpu = {(r["dtype"], r["n"]): r["time_ms"] for r in rows if r["device"] == "cpu"}
     for r in rows:
         if r["device"] != "cpu":
             r["vs_cpu_fp32"] = cpu[("fp32", r["n"])] / r["time_ms"] if ("fp32", r["n"]) in cpu else float("nan")
             r["vs_cpu_same"] = cpu[(r["dtype"], r["n"])] / r["time_ms"] if (r["dtype"], r["n"]) in cpu else float("nan")
 
+
+def gemm_notes(rows: list[dict], skipped: list[str], cfg) -> list[str]:
     notes = [f"{sum(not r['ok'] for r in rows)} row(s) failed the float64 check"]
     if skipped:
         notes.append(f"skipped (over cpu_budget_s={cfg.cpu_budget_s:g}): " + ", ".join(skipped))
@@ -203,26 +222,43 @@ def run(cfg, run_dir: str) -> list[dict]:
         s, n, d = max(speedups)
         notes.append(f"GPU/CPU: up to {s:.0f}x ({d} GPU vs fp32 CPU at n={n}); the seed claims "
                      "100-1000x for 4096^2")
-    cols = ["device", "dtype", "n", "time_ms", "tflops", "vs_cpu_fp32", "vs_cpu_same", "rel_err", "ok"]
-    report(rows, run_dir, "gemm", cols, title="GEMM: TFLOP/s = 2n^3/t", notes=notes)
+    return notes
 
-    extra = {}
-    if cfg.numpy_compare:
-        np_rows = numpy_vs_gpu(cfg, device)
-        report(np_rows, run_dir, "numpy_vs_gpu",
-               ["what", "dtype", "n", "time_s", "tflops", "speedup_vs_numpy", "with_transfer_s", "rel_err"],
-               title=f"the seed's NumPy dot vs GPU (n={cfg.numpy_n})",
-               notes=["the seed: np.dot 10000^2 ~120 s (it says single-threaded) vs CuPy ~0.8 s: 150x",
-                      "np.dot is multi-threaded BLAS by default; its 1-thread row is the seed's setting"])
-        extra["numpy_rows"] = len(np_rows)
+
+def report_numpy(cfg, device: torch.device, run_dir: str) -> int:
+    """The seed's NumPy comparison, printed and written; returns its number of rows."""
+    np_rows = numpy_vs_gpu(cfg, device)
+    report(np_rows, run_dir, "numpy_vs_gpu",
+           ["what", "dtype", "n", "time_s", "tflops", "speedup_vs_numpy", "with_transfer_s", "rel_err"],
+           title=f"the seed's NumPy dot vs GPU (n={cfg.numpy_n})",
+           notes=["the seed: np.dot 10000^2 ~120 s (it says single-threaded) vs CuPy ~0.8 s: 150x",
+                  "np.dot is multi-threaded BLAS by default; its 1-thread row is the seed's setting"])
+    return len(np_rows)
+
+
+def plot_gemm(rows: list[dict], run_dir: str) -> None:
+    series = {}
+    for r in rows:
+        series.setdefault(f"{r['device']} {r['dtype']}", ([], []))
+        series[f"{r['device']} {r['dtype']}"][0].append(r["n"])
+        series[f"{r['device']} {r['dtype']}"][1].append(r["tflops"])
+    plot_lines(series, os.path.join(run_dir, "gemm.png"), xlabel="n (n x n @ n x n)",
+               ylabel="TFLOP/s", title="GEMM throughput", logx=True, logy=True)
+
+
+def run(cfg, run_dir: str) -> list[dict]:
+    device = resolve_device(cfg.device)
+    check_config(cfg)
+    rows = gpu_rows(cfg, device) if device.type == "cuda" else []
+    more, skipped = cpu_rows(cfg)
+    rows += more
+    add_speedups(rows)
+    cols = ["device", "dtype", "n", "time_ms", "tflops", "vs_cpu_fp32", "vs_cpu_same", "rel_err", "ok"]
+    report(rows, run_dir, "gemm", cols, title="GEMM: TFLOP/s = 2n^3/t",
+           notes=gemm_notes(rows, skipped, cfg))
+    extra = {"numpy_rows": report_numpy(cfg, device, run_dir)} if cfg.numpy_compare else {}
     if cfg.plot and rows:
-        series = {}
-        for r in rows:
-            series.setdefault(f"{r['device']} {r['dtype']}", ([], []))
-            series[f"{r['device']} {r['dtype']}"][0].append(r["n"])
-            series[f"{r['device']} {r['dtype']}"][1].append(r["tflops"])
-        plot_lines(series, os.path.join(run_dir, "gemm.png"), xlabel="n (n x n @ n x n)",
-                   ylabel="TFLOP/s", title="GEMM throughput", logx=True, logy=True)
+        plot_gemm(rows, run_dir)
     write_info(run_dir, "gemm", cfg, device, **extra)
     print(f"-> {run_dir}")
     return rows

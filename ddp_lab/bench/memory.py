@@ -67,6 +67,77 @@ def _row(kind: str, nbytes: int, t: float, counted: int, ok: bool, in_cache: boo
             "gbs": counted / t / 1e9, "in_cache": in_cache, "ok": ok}
 
 
+def host_rows(src: torch.Tensor, dst: torch.Tensor, cfg, warmup: int, iters: int,
+              llc: int) -> list[dict]:
+    """dst.copy_(src) in host memory, on all threads and (single_thread=true) on one."""
+    nbytes = src.numel() * 4
+    t = time_fn(lambda: dst.copy_(src), "cpu", warmup=warmup, iters=iters)
+    rows = [_row("host_copy", nbytes, t, 2 * nbytes, bool(torch.equal(dst, src)),
+                 2 * nbytes <= llc)]
+    if cfg.single_thread:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            dst.zero_()
+            t = time_fn(lambda: dst.copy_(src), "cpu", warmup=warmup, iters=iters)
+        finally:
+            torch.set_num_threads(threads)
+        rows.append(_row("host_copy_1t", nbytes, t, 2 * nbytes, bool(torch.equal(dst, src)),
+                         2 * nbytes <= llc))
+    return rows
+
+
+def device_rows(src: torch.Tensor, dst: torch.Tensor, cfg, device: torch.device, warmup: int,
+                iters: int, l2: int) -> list[dict]:
+    """A device copy, then host->device and back from pinned and (pageable=true) pageable memory."""
+    nbytes = src.numel() * 4
+    dsrc = src.to(device)
+    ddst = torch.empty_like(dsrc)
+    t = time_fn(lambda: ddst.copy_(dsrc), device, warmup=warmup, iters=iters)
+    rows = [_row("device_copy", nbytes, t, 2 * nbytes, bool(torch.equal(ddst, dsrc)),
+                 2 * nbytes <= l2)]
+    pinned = src.pin_memory()
+    pback = torch.empty_like(pinned).pin_memory()
+    ddst.zero_()
+    t = time_fn(lambda: ddst.copy_(pinned, non_blocking=True), device, warmup, iters)
+    rows.append(_row("h2d_pinned", nbytes, t, nbytes, bool(torch.equal(ddst, dsrc)), False))
+    t = time_fn(lambda: pback.copy_(dsrc, non_blocking=True), device, warmup, iters)
+    torch.cuda.synchronize(device)
+    rows.append(_row("d2h_pinned", nbytes, t, nbytes, bool(torch.equal(pback, src)), False))
+    if cfg.pageable:
+        ddst.zero_()
+        t = time_fn(lambda: ddst.copy_(src), device, warmup, iters)
+        rows.append(_row("h2d_pageable", nbytes, t, nbytes, bool(torch.equal(ddst, dsrc)), False))
+        dst.zero_()
+        t = time_fn(lambda: dst.copy_(dsrc), device, warmup, iters)
+        rows.append(_row("d2h_pageable", nbytes, t, nbytes, bool(torch.equal(dst, src)), False))
+    return rows
+
+
+def memory_notes(rows: list[dict]) -> list[str]:
+    biggest = max(r["size_mb"] for r in rows)
+    at_top = {r["kind"]: r["gbs"] for r in rows if r["size_mb"] == biggest}
+    notes = [f"{sum(not r['ok'] for r in rows)} row(s) where the copy differs from its source",
+             "the seed: DDR4 ~50 GB/s vs HBM2 ~1.5 TB/s (30x); its 'HBM latency ~10 ns vs DDR4 "
+             "~100 ns' is wrong: GPU DRAM latency is hundreds of ns, bandwidth is what HBM buys"]
+    if "device_copy" in at_top:
+        notes.append(f"at {biggest:.0f} MB: device copy {at_top['device_copy']:.0f} GB/s vs host copy "
+                     f"{at_top['host_copy']:.1f} GB/s = {at_top['device_copy'] / at_top['host_copy']:.0f}x")
+    else:
+        notes.append(f"at {biggest:.0f} MB: host copy {at_top['host_copy']:.1f} GB/s")
+    return notes
+
+
+def plot_memory(rows: list[dict], run_dir: str) -> None:
+    series = {}
+    for r in rows:
+        xs, ys = series.setdefault(r["kind"], ([], []))
+        xs.append(r["size_mb"])
+        ys.append(r["gbs"])
+    plot_lines(series, os.path.join(run_dir, "memory.png"), xlabel="MB copied",
+               ylabel="GB/s", title="memory bandwidth", logx=True, logy=True)
+
+
 def run(cfg, run_dir: str) -> list[dict]:
     device = resolve_device(cfg.device)
     sizes = cfg.sizes_mb if device.type == "cuda" else cfg.cpu_sizes_mb
@@ -78,69 +149,19 @@ def run(cfg, run_dir: str) -> list[dict]:
     rows = []
     for mb in sizes:
         n = mb * 10**6 // 4
-        nbytes = n * 4
         warmup, iters = (1, cfg.big_iters) if mb >= 1024 else (cfg.warmup, cfg.iters)
         src = random_vector(n, salt=mb)  # random, non-zero
         dst = torch.empty_like(src)
-        t = time_fn(lambda: dst.copy_(src), "cpu", warmup=warmup, iters=iters)
-        rows.append(_row("host_copy", nbytes, t, 2 * nbytes, bool(torch.equal(dst, src)),
-                         2 * nbytes <= llc))
-        if cfg.single_thread:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                dst.zero_()
-                t = time_fn(lambda: dst.copy_(src), "cpu", warmup=warmup, iters=iters)
-            finally:
-                torch.set_num_threads(threads)
-            rows.append(_row("host_copy_1t", nbytes, t, 2 * nbytes, bool(torch.equal(dst, src)),
-                             2 * nbytes <= llc))
+        rows += host_rows(src, dst, cfg, warmup, iters, llc)
         if device.type == "cuda":
-            dsrc = src.to(device)
-            ddst = torch.empty_like(dsrc)
-            t = time_fn(lambda: ddst.copy_(dsrc), device, warmup=warmup, iters=iters)
-            rows.append(_row("device_copy", nbytes, t, 2 * nbytes, bool(torch.equal(ddst, dsrc)),
-                             2 * nbytes <= l2))
-            pinned = src.pin_memory()
-            pback = torch.empty_like(pinned).pin_memory()
-            ddst.zero_()
-            t = time_fn(lambda: ddst.copy_(pinned, non_blocking=True), device, warmup, iters)
-            rows.append(_row("h2d_pinned", nbytes, t, nbytes, bool(torch.equal(ddst, dsrc)), False))
-            t = time_fn(lambda: pback.copy_(dsrc, non_blocking=True), device, warmup, iters)
-            torch.cuda.synchronize(device)
-            rows.append(_row("d2h_pinned", nbytes, t, nbytes, bool(torch.equal(pback, src)), False))
-            if cfg.pageable:
-                ddst.zero_()
-                t = time_fn(lambda: ddst.copy_(src), device, warmup, iters)
-                rows.append(_row("h2d_pageable", nbytes, t, nbytes, bool(torch.equal(ddst, dsrc)), False))
-                dst.zero_()
-                t = time_fn(lambda: dst.copy_(dsrc), device, warmup, iters)
-                rows.append(_row("d2h_pageable", nbytes, t, nbytes, bool(torch.equal(dst, src)), False))
-            del dsrc, ddst, pinned, pback
-            torch.cuda.empty_cache()
+            rows += device_rows(src, dst, cfg, device, warmup, iters, l2)
+            torch.cuda.empty_cache()  # device_rows' buffers died with it: release them
         print(f"  {mb} MB done", flush=True)
-
-    biggest = max(r["size_mb"] for r in rows)
-    at_top = {r["kind"]: r["gbs"] for r in rows if r["size_mb"] == biggest}
-    notes = [f"{sum(not r['ok'] for r in rows)} row(s) where the copy differs from its source",
-             "the seed: DDR4 ~50 GB/s vs HBM2 ~1.5 TB/s (30x); its 'HBM latency ~10 ns vs DDR4 "
-             "~100 ns' is wrong: GPU DRAM latency is hundreds of ns, bandwidth is what HBM buys"]
-    if "device_copy" in at_top:
-        notes.append(f"at {biggest:.0f} MB: device copy {at_top['device_copy']:.0f} GB/s vs host copy "
-                     f"{at_top['host_copy']:.1f} GB/s = {at_top['device_copy'] / at_top['host_copy']:.0f}x")
-    else:
-        notes.append(f"at {biggest:.0f} MB: host copy {at_top['host_copy']:.1f} GB/s")
     report(rows, run_dir, "memory", ["kind", "size_mb", "time_ms", "gbs", "bytes_counted",
                                      "in_cache", "ok"],
-           title="memory bandwidth (GB/s = counted bytes / t)", notes=notes)
+           title="memory bandwidth (GB/s = counted bytes / t)", notes=memory_notes(rows))
     if cfg.plot:
-        series = {}
-        for r in rows:
-            xs, ys = series.setdefault(r["kind"], ([], []))
-            xs.append(r["size_mb"])
-            ys.append(r["gbs"])
-        plot_lines(series, os.path.join(run_dir, "memory.png"), xlabel="MB copied",
-                   ylabel="GB/s", title="memory bandwidth", logx=True, logy=True)
+        plot_memory(rows, run_dir)
     write_info(run_dir, "memory", cfg, device, cpu_cache_bytes=llc, gpu_l2_bytes=l2)
     print(f"-> {run_dir}")
     return rows

@@ -94,66 +94,113 @@ def random_vector(n: int, salt: int) -> torch.Tensor:
     return block.repeat(reps)[:n] if reps > 1 else block  # a contiguous view: no copy
 
 
+def timed(fn, dev, warmup: int, iters: int) -> float:
+    """time_fn with enough back-to-back calls per sample for a millisecond of work."""
+    inner = calls_per_sample(fn, dev, target_s=1e-3, max_calls=1000)
+    return time_fn(fn, dev, warmup=warmup, iters=iters, inner=inner)
+
+
+def pinned_ms(a, b, da, db, dc, expected, device: torch.device, warmup: int,
+              iters: int) -> tuple[float, bool]:
+    """Milliseconds per add with the copies from and to page-locked host memory, and whether
+    the result copied back is `expected`."""
+    pa, pb = a.pin_memory(), b.pin_memory()
+    pc = torch.empty(len(a), pin_memory=True)
+
+    def total_pinned():
+        da.copy_(pa, non_blocking=True)
+        db.copy_(pb, non_blocking=True)
+        torch.add(da, db, out=dc)
+        pc.copy_(dc, non_blocking=True)
+
+    ms = timed(total_pinned, device, warmup, iters) * 1e3
+    torch.cuda.synchronize(device)
+    return ms, bool(torch.equal(pc, expected))
+
+
+def gpu_times(row: dict, a, b, expected, device: torch.device, cfg, warmup: int,
+              iters: int) -> bool:
+    """The GPU columns of `row`: with pageable transfers, the kernel alone, with pinned
+    transfers (pinned=true), and the speed-ups; True if every result copied back is `expected`."""
+    n = len(a)
+    da, db = torch.empty(n, device=device), torch.empty(n, device=device)
+    dc = torch.empty(n, device=device)
+    back = torch.empty_like(a)
+
+    def total_pageable():
+        da.copy_(a)
+        db.copy_(b)
+        torch.add(da, db, out=dc)
+        back.copy_(dc)
+
+    row["gpu_total_ms"] = timed(total_pageable, device, warmup, iters) * 1e3
+    ok = bool(torch.equal(back, expected))
+    row["gpu_kernel_ms"] = timed(lambda: torch.add(da, db, out=dc), device, warmup, iters) * 1e3
+    if cfg.pinned:
+        row["gpu_pinned_ms"], same = pinned_ms(a, b, da, db, dc, expected, device, warmup, iters)
+        ok &= same
+    row["gpu_kernel_gbs"] = 12 * n / (row["gpu_kernel_ms"] / 1e3) / 1e9
+    row["speedup_kernel"] = row["cpu_ms"] / row["gpu_kernel_ms"]
+    row["speedup_total"] = row["cpu_ms"] / row["gpu_total_ms"]
+    if cfg.pinned:
+        row["speedup_pinned"] = row["cpu_ms"] / row["gpu_pinned_ms"]
+    return ok
+
+
 def bench_size(n: int, device: torch.device, cfg) -> dict:
     big = n >= 10**8
     iters, warmup = (cfg.big_iters, 1) if big else (cfg.iters, cfg.warmup)
     a, b = random_vector(n, 1), random_vector(n, 2)
     c = torch.empty_like(a)
     row = {"n": n, "mb": 12 * n / 1e6}
-
-    def timed(fn, dev):
-        inner = calls_per_sample(fn, dev, target_s=1e-3, max_calls=1000)
-        return time_fn(fn, dev, warmup=warmup, iters=iters, inner=inner)
-
-    row["cpu_ms"] = timed(lambda: torch.add(a, b, out=c), "cpu") * 1e3
+    row["cpu_ms"] = timed(lambda: torch.add(a, b, out=c), "cpu", warmup, iters) * 1e3
     if cfg.single_thread:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            row["cpu1_ms"] = timed(lambda: torch.add(a, b, out=c), "cpu") * 1e3
+            row["cpu1_ms"] = timed(lambda: torch.add(a, b, out=c), "cpu", warmup, iters) * 1e3
         finally:
             torch.set_num_threads(threads)
     expected = a + b
     ok = bool(torch.equal(c, expected))
     row["cpu_gbs"] = 12 * n / (row["cpu_ms"] / 1e3) / 1e9
-
     if device.type == "cuda":
-        da, db = torch.empty(n, device=device), torch.empty(n, device=device)
-        dc = torch.empty(n, device=device)
-        back = torch.empty_like(a)
-
-        def total_pageable():
-            da.copy_(a)
-            db.copy_(b)
-            torch.add(da, db, out=dc)
-            back.copy_(dc)
-
-        row["gpu_total_ms"] = timed(total_pageable, device) * 1e3
-        ok &= bool(torch.equal(back, expected))
-        row["gpu_kernel_ms"] = timed(lambda: torch.add(da, db, out=dc), device) * 1e3
-        if cfg.pinned:
-            pa, pb = a.pin_memory(), b.pin_memory()
-            pc = torch.empty(n, pin_memory=True)
-
-            def total_pinned():
-                da.copy_(pa, non_blocking=True)
-                db.copy_(pb, non_blocking=True)
-                torch.add(da, db, out=dc)
-                pc.copy_(dc, non_blocking=True)
-
-            row["gpu_pinned_ms"] = timed(total_pinned, device) * 1e3
-            torch.cuda.synchronize(device)
-            ok &= bool(torch.equal(pc, expected))
-            del pa, pb, pc
-        row["gpu_kernel_gbs"] = 12 * n / (row["gpu_kernel_ms"] / 1e3) / 1e9
-        row["speedup_kernel"] = row["cpu_ms"] / row["gpu_kernel_ms"]
-        row["speedup_total"] = row["cpu_ms"] / row["gpu_total_ms"]
-        if cfg.pinned:
-            row["speedup_pinned"] = row["cpu_ms"] / row["gpu_pinned_ms"]
-        del da, db, dc
-        torch.cuda.empty_cache()
+        ok &= gpu_times(row, a, b, expected, device, cfg, warmup, iters)
+        torch.cuda.empty_cache()  # gpu_times' buffers died with it: release them
     row["ok"] = ok
     return row
+
+
+def too_big(n: int, device: torch.device, cfg) -> str | None:
+    """Why size n is skipped (its buffers would take over mem_fraction of free memory), or None."""
+    host_need = 4 * n * (5 + (3 if cfg.pinned and device.type == "cuda" else 0) + 1)
+    gpu_need = 12 * n if device.type == "cuda" else 0
+    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else float("inf")
+    if host_need > cfg.mem_fraction * host_available_bytes() or gpu_need > cfg.mem_fraction * gpu_free:
+        return f"{n:.3g} (needs {host_need / 1e9:.1f} GB host, {gpu_need / 1e9:.1f} GB GPU)"
+    return None
+
+
+def crossovers(rows: list[dict], cfg) -> tuple[dict[str, str], list[str]]:
+    """Per GPU column and CPU column: the size from which the GPU wins (see `crossover`), and
+    the same as notes."""
+    ns, col = [r["n"] for r in rows], lambda k: [r.get(k, float("nan")) for r in rows]
+    pairs = {"gpu kernel only": "gpu_kernel_ms", "gpu incl. transfer (pageable)": "gpu_total_ms"}
+    if cfg.pinned:
+        pairs["gpu incl. transfer (pinned)"] = "gpu_pinned_ms"
+    cpus = {"cpu (all threads)": "cpu_ms"}
+    if cfg.single_thread:
+        cpus["cpu (1 thread)"] = "cpu1_ms"
+    cross, notes = {}, []
+    for cname, ckey in cpus.items():
+        for gname, gkey in pairs.items():
+            cross[f"{gname} vs {cname}"] = crossover(ns, col(ckey), col(gkey))
+            notes.append(f"crossover: {gname} beats {cname} from n = {cross[f'{gname} vs {cname}']}")
+    return cross, notes
+
+
+COLUMNS = ["n", "mb", "cpu_ms", "cpu1_ms", "gpu_kernel_ms", "gpu_total_ms", "gpu_pinned_ms",
+           "cpu_gbs", "gpu_kernel_gbs", "speedup_kernel", "speedup_total", "speedup_pinned", "ok"]
 
 
 def run(cfg, run_dir: str) -> list[dict]:
@@ -168,42 +215,25 @@ def run(cfg, run_dir: str) -> list[dict]:
 
     rows, skipped = [], []
     for n in sizes:
-        host_need = 4 * n * (5 + (3 if cfg.pinned and device.type == "cuda" else 0) + 1)
-        gpu_need = 12 * n if device.type == "cuda" else 0
-        gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else float("inf")
-        if host_need > cfg.mem_fraction * host_available_bytes() or gpu_need > cfg.mem_fraction * gpu_free:
-            skipped.append(f"{n:.3g} (needs {host_need / 1e9:.1f} GB host, {gpu_need / 1e9:.1f} GB GPU)")
+        why = too_big(n, device, cfg)
+        if why:
+            skipped.append(why)
             continue
         rows.append(bench_size(n, device, cfg))
         print(f"  n={n:.3g} done", flush=True)
 
-    ns = [r["n"] for r in rows]
-    nan = float("nan")
-    col = lambda k: [r.get(k, nan) for r in rows]
     notes = [f"{sum(not r['ok'] for r in rows)} row(s) where the GPU's sum differs from the CPU's"]
     if skipped:
         notes.append("skipped for memory: " + ", ".join(skipped))
-    cross = {}
-    if device.type == "cuda":
-        pairs = {"gpu kernel only": "gpu_kernel_ms", "gpu incl. transfer (pageable)": "gpu_total_ms"}
-        if cfg.pinned:
-            pairs["gpu incl. transfer (pinned)"] = "gpu_pinned_ms"
-        cpus = {"cpu (all threads)": "cpu_ms"}
-        if cfg.single_thread:
-            cpus["cpu (1 thread)"] = "cpu1_ms"
-        for cname, ckey in cpus.items():
-            for gname, gkey in pairs.items():
-                cross[f"{gname} vs {cname}"] = crossover(ns, col(ckey), col(gkey))
-                notes.append(f"crossover: {gname} beats {cname} from n = {cross[f'{gname} vs {cname}']}")
-    else:
-        notes.append("crossover: n/a without a GPU")
-    cols = ["n", "mb", "cpu_ms", "cpu1_ms", "gpu_kernel_ms", "gpu_total_ms", "gpu_pinned_ms",
-            "cpu_gbs", "gpu_kernel_gbs", "speedup_kernel", "speedup_total", "speedup_pinned", "ok"]
-    cols = [c for c in cols if any(c in r for r in rows)]
-    report(rows, run_dir, "vector_add", cols, title="vector add c = a + b (float32)", notes=notes)
+    cross, more = (crossovers(rows, cfg) if device.type == "cuda"
+                   else ({}, ["crossover: n/a without a GPU"]))
+    notes += more
+    report(rows, run_dir, "vector_add", [c for c in COLUMNS if any(c in r for r in rows)],
+           title="vector add c = a + b (float32)", notes=notes)
     if cfg.plot and rows:
-        series = {k: (ns, col(k)) for k in ("cpu_ms", "cpu1_ms", "gpu_kernel_ms", "gpu_total_ms",
-                                             "gpu_pinned_ms") if k in rows[0]}
+        series = {k: ([r["n"] for r in rows], [r.get(k, float("nan")) for r in rows])
+                  for k in ("cpu_ms", "cpu1_ms", "gpu_kernel_ms", "gpu_total_ms", "gpu_pinned_ms")
+                  if k in rows[0]}
         plot_lines(series, os.path.join(run_dir, "vector_add.png"), xlabel="elements",
                    ylabel="ms per add", title="vector add: CPU vs GPU", logx=True, logy=True)
     write_info(run_dir, "vector_add", cfg, device, crossover=cross, skipped=skipped)
