@@ -34,11 +34,11 @@ from ddp_lab.precision import AUTOCAST_DTYPES
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # In-memory sets up to this size each (normalised, at the model's resolution) are prepared once:
-# digits' training set at 224 px in bf16 is 0.43 GB, CIFAR-10's at 32 px 0.31 GB; CIFAR-10's test
-# set at 224 px (3.0 GB) is normalised per batch.
+# digits' training set fits even at 224 px, CIFAR-10's at 32 px; CIFAR-10 upsampled to 224 px
+# does not, and is normalised per batch.
 PREPARE_MAX_BYTES = 2 * 2**30
-# A stream fetches as many whole batches at once as fit in this size (an epoch of CIFAR-10 or of
-# 32 px synthetic data in bf16: 0.31 GB; 224 px: 6 batches of 256), GATHER_CHUNK samples at a
+# A stream fetches as many whole batches at once as fit in this size (a whole epoch of CIFAR-10
+# or of 32 px synthetic data; at 224 px a handful of batches), GATHER_CHUNK samples at a
 # time, and cuts them as views. When the next fetch is made, the batch in use may still hold the
 # previous one: up to twice this, per stream.
 FETCH_MAX_BYTES = 512 * 2**20
@@ -298,7 +298,7 @@ class DeviceBatches(BatchStream):
     with the epochs after it, and those wait here for their turn. Each epoch's start costs a dozen
     host calls (the permutation, the draws, the index copy, the fetch), and a small model's step
     is bounded by how fast the host issues them: on digits at batch 512 an epoch is 2 steps, so
-    that work came every other step (0.8-0.9 of synthetic data's speed, eager, on the H200)."""
+    without this that work came every other step and showed in the throughput."""
 
     def __init__(self, *args, augment_seed: int | None = None, epochs_ahead: bool = False):
         super().__init__(*args)
@@ -317,7 +317,7 @@ class DeviceBatches(BatchStream):
         idx, draws = self._to_device(self._samples(epoch, start_batch))
         # Fetch many batches at once (in batch order, chunked) and cut them as views, in one call:
         # a small model's step is bounded by how fast the host issues ops, and a batch fetched
-        # alone takes 3 of them (~8 augmented). Samples are fetched alike whatever the batch they
+        # alone takes several of them (more augmented). Samples are fetched alike whatever the batch they
         # come in (augmentation is per sample), so the batches are the same.
         batch_bytes = self.batch_size * self.dataset.sample_bytes()
         window = max(1, FETCH_MAX_BYTES // batch_bytes) * self.batch_size  # samples per fetch
@@ -415,7 +415,8 @@ class LoaderBatches(BatchStream):
 def shard_indices(n: int, rank: int, world_size: int, seed: int, epoch: int) -> torch.Tensor:
     """This rank's sample indices for `epoch`: exactly DistributedSampler's (shuffle=True, padded
     by wrapping around to a multiple of the world size, every world_size-th from `rank`), made as a
-    tensor (DistributedSampler's list of Python ints costs a small model ~1% of its steps)."""
+    tensor (DistributedSampler's list of Python ints is slow enough to show in a small model's
+    step time)."""
     g = torch.Generator()
     g.manual_seed(seed + epoch)
     perm = torch.randperm(n, generator=g)
@@ -432,21 +433,52 @@ class Data:
     val_samples: int
 
 
+def load_sets(cfg, device, compute_dtype: torch.dtype):
+    """The (train, val) data sets named by `cfg.data`."""
+    d = cfg.data
+    if d.name == "digits":
+        return load_digits(d.image_size)
+    if d.name == "cifar10":
+        return load_cifar10(d.root, d.download, d.image_size)
+    if d.name == "synthetic":
+        return (SyntheticImages(d.num_samples, d.image_size, d.num_classes, d.pool_size,
+                                cfg.seed, device, compute_dtype),
+                SyntheticImages(d.val_samples, d.image_size, d.num_classes, d.pool_size,
+                                cfg.seed + 1, device, compute_dtype))
+    return load_imagefolder(d.root, d.image_size, d.augment, cfg.seed)
+
+
+def prepare_in_memory(ds, cfg, device, compute_dtype: torch.dtype, augmented: bool) -> None:
+    """An in-memory set made ready for indexing: on the device (data.on_device), normalised once
+    where that fits in PREPARE_MAX_BYTES (with a border if `augmented`), in the batches' layout."""
+    d = cfg.data
+    layout = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    if isinstance(ds, TensorImages) and d.on_device:
+        ds.to(device)
+    if isinstance(ds, TensorImages):
+        pad = AUGMENT_PAD if augmented else 0
+        size = ds.prepared_bytes(compute_dtype, pad)
+        if size <= PREPARE_MAX_BYTES:
+            ds.prepare(compute_dtype, layout, pad)
+        elif augmented:  # digits and CIFAR-10 fit: only a new, larger set could get here
+            raise ConfigError(f"data={d.name} with data.augment=true: {len(ds)} images "
+                              f"would take {size / 1e9:.1f} GB prepared for augmentation "
+                              f"(at most {PREPARE_MAX_BYTES / 1e9:.1f}); set "
+                              "data.augment=false")
+        else:
+            log.info("data=%s: %d images at %d px would take %.1f GB normalised; "
+                     "normalising per batch instead", d.name, len(ds), d.image_size,
+                     size / 1e9)
+    if cfg.train.channels_last:
+        # Indexing keeps the layout, so batches come out channels_last with no extra copy.
+        ds.to_channels_last()
+
+
 def build_data(cfg, rank: int, world_size: int, device) -> Data:
     """The data set named by `cfg.data`, split into this rank's train and val batch streams."""
     d = cfg.data
     compute_dtype = AUTOCAST_DTYPES[cfg.precision.autocast_dtype] or torch.float32
-    if d.name == "digits":
-        train_set, val_set = load_digits(d.image_size)
-    elif d.name == "cifar10":
-        train_set, val_set = load_cifar10(d.root, d.download, d.image_size)
-    elif d.name == "synthetic":
-        train_set = SyntheticImages(d.num_samples, d.image_size, d.num_classes, d.pool_size,
-                                    cfg.seed, device, compute_dtype)
-        val_set = SyntheticImages(d.val_samples, d.image_size, d.num_classes, d.pool_size,
-                                  cfg.seed + 1, device, compute_dtype)
-    else:
-        train_set, val_set = load_imagefolder(d.root, d.image_size, d.augment, cfg.seed)
+    train_set, val_set = load_sets(cfg, device, compute_dtype)
 
     per_step = world_size * cfg.train.batch_size * cfg.train.accum_steps
     if len(train_set) < per_step:
@@ -469,27 +501,8 @@ def build_data(cfg, rank: int, world_size: int, device) -> Data:
         train, val = make(train_set, train_indices, True), make(val_set, val_indices, False)
     else:
         augment_seed = cfg.seed if d.augment and d.name != "synthetic" else None
-        layout = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
-        for ds, augmented in ((train_set, augment_seed is not None), (val_set, False)):
-            if isinstance(ds, TensorImages) and d.on_device:
-                ds.to(device)
-            if isinstance(ds, TensorImages):
-                pad = AUGMENT_PAD if augmented else 0
-                size = ds.prepared_bytes(compute_dtype, pad)
-                if size <= PREPARE_MAX_BYTES:
-                    ds.prepare(compute_dtype, layout, pad)
-                elif augmented:  # digits and CIFAR-10 need < 1 GB: only a new, larger set could
-                    raise ConfigError(f"data={d.name} with data.augment=true: {len(ds)} images "
-                                      f"would take {size / 1e9:.1f} GB prepared for augmentation "
-                                      f"(at most {PREPARE_MAX_BYTES / 1e9:.1f}); set "
-                                      "data.augment=false")
-                else:
-                    log.info("data=%s: %d images at %d px would take %.1f GB normalised; "
-                             "normalising per batch instead", d.name, len(ds), d.image_size,
-                             size / 1e9)
-            if cfg.train.channels_last:
-                # Indexing keeps the layout, so batches come out channels_last with no extra copy.
-                ds.to_channels_last()
+        prepare_in_memory(train_set, cfg, device, compute_dtype, augment_seed is not None)
+        prepare_in_memory(val_set, cfg, device, compute_dtype, False)
         train = DeviceBatches(train_set, train_indices, cfg.train.batch_size, device, True,
                               augment_seed=augment_seed, epochs_ahead=True)
         val = DeviceBatches(val_set, val_indices, cfg.train.batch_size, device, False)
