@@ -124,7 +124,7 @@ def _pair(v) -> tuple[int, int]:
 # CUDA-core rate; fp64 (DGEMM on DMMA tensor cores from A100 on), tf32, fp16 and bf16 are tensor-core
 # rates (fp16/bf16 with fp32 accumulation).
 # Sources: NVIDIA H100/H200 and A100 datasheets. These are marketing upper bounds at boost clock;
-# `ddp_lab.bench.gemm` measures what a GEMM really reaches (bf16 8192^3 ~781 on the lab's H200).
+# `ddp_lab.bench.gemm` measures what a GEMM really reaches, which is less.
 DATASHEET_PEAKS = {
     "H200": {"fp64": 67.0, "fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
     "H100 SXM": {"fp64": 67.0, "fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},

@@ -174,8 +174,8 @@ def activation_bytes(model: nn.Module, input_shape: tuple[int, ...],
     intercept is what does not grow with the batch, under autocast the 16-bit weight copies that
     backward needs (the others are freed when the autocast region ends). The saved set is the same
     on CUDA but for details: both max-pools save int64 indices, but the CPU's dropout keeps a float
-    mask where CUDA keeps a bool one (3 B per dropout input element more here: ~1% of 224 px
-    AlexNet's activations, ~7% of AlexNet-CIFAR's)."""
+    mask where CUDA keeps a bool one (3 B more per dropout input element here: a small share of
+    224 px AlexNet's activations, a larger one of AlexNet-CIFAR's)."""
     import copy
 
     model = copy.deepcopy(model).to("cpu").train()

@@ -219,7 +219,8 @@ class Network:
 
 # Given interconnects. NVLink: ~370 GB/s bus bandwidth for NCCL's ring on 8 H100/H200-class GPUs
 # through NVSwitch; between nodes, one network link of the stated speed per node. The latencies
-# are assumptions of the usual order (NCCL on NVLink a few us per step, RDMA ~5 us, TCP ~25 us).
+# (alpha) are assumptions of the usual order for each kind of link: NVLink lowest, then RDMA,
+# then TCP.
 NVLINK = Link.of(alpha_us=3.0, GBps=370.0)
 PRESETS = {
     "nvlink": Network("nvlink", NVLINK, None, 8, note="one NVLink domain (no network)"),
