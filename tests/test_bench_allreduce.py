@@ -44,6 +44,38 @@ def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(together):
         assert len(list(csv.DictReader(f))) == len(rows)
     assert os.path.getsize(run_dir / "allreduce_busbw.png") > 0
     assert "busbw_GBps" in proc.stdout and "all results correct" in proc.stdout
+    # no size reaches 1 MiB: no ratio lines, and the target is stated but not judged
+    assert " / native, " not in proc.stdout
+    assert ("target: ring busbw >= 0.95x native at >= 64 MiB, fp32: not measured in this run"
+            in proc.stdout)
+
+
+def _row(algo, nbytes, time_us, dtype="float32"):
+    return {"algo": algo, "backend": "gloo", "world_size": 2, "dtype": dtype, "bytes": nbytes,
+            "time_us": time_us, "algbw_GBps": nbytes / time_us / 1e3,
+            "busbw_GBps": nbytes / time_us / 1e3, "wrong": 0}
+
+
+def test_ratio_lines_and_the_target_verdict():
+    from ddp_lab.bench.allreduce import ratio_lines, target_line
+
+    MiB = 1 << 20
+    rows = [_row("native", 512 * 1024, 10.0), _row("ring", 512 * 1024, 30.0),
+            _row("native", MiB, 100.0), _row("ring", MiB, 150.0), _row("tree", MiB, 50.0),
+            _row("native", 64 * MiB, 1000.0), _row("ring", 64 * MiB, 1050.0),
+            _row("native", 128 * MiB, 2000.0), _row("ring", 128 * MiB, 2000.0),
+            _row("ring", 128 * MiB, 9999.0, dtype="bfloat16")]  # no native bf16 row: no ratio
+    lines = ratio_lines(rows)
+    assert lines[0].startswith("ring / native, float32 1 MiB: time 1.500 (busbw ")
+    assert lines[1].startswith("tree / native, float32 1 MiB: time 0.500")
+    assert [line.split(":")[0] for line in lines[2:]] == [
+        "ring / native, float32 64 MiB", "ring / native, float32 128 MiB"]
+    # busbw ratio = native time / ring time: 1000/1050 = 0.952 >= 0.95 at 64 MiB, 1.0 at 128 MiB
+    assert target_line(rows) == ("target: ring busbw >= 0.95x native at >= 64 MiB, fp32: holds "
+                                 "(0.952x at 64 MiB, 1.000x at 128 MiB)")
+    rows[6] = _row("ring", 64 * MiB, 1100.0)  # 0.909x
+    assert "fp32: does NOT hold (0.909x at 64 MiB, 1.000x at 128 MiB)" in target_line(rows)
+    assert "not measured in this run" in target_line(rows[:5])
 
 
 def test_config_and_size_sweep():
