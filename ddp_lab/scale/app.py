@@ -78,8 +78,8 @@ def _fits(cfg, points, sweep_dir, profile, env, say) -> dict:
     return net.fit_alpha_beta(rows)
 
 
-def emit(cfg, points: list[sweep.Point], say) -> None:
-    """Print (and write to commands.sh) the multi-node command lines instead of running."""
+def emit(cfg, points: list[sweep.Point], say) -> list[str]:
+    """Print (and log to scale.log) the multi-node command lines instead of running them."""
     gpn = cfg.gpus_per_node or sweep.local_gpus() or 8
     seen, lines = set(), ["#!/usr/bin/env bash", "# ddp_lab.scale emit=" + cfg.emit,
                           "set -euo pipefail"]
@@ -122,64 +122,90 @@ def measured_compute(points: list[sweep.Point], batch_per_gpu: int) -> dict[str,
     return out
 
 
-def task(cfg, run_dir: str) -> None:
-    run_dir = os.path.abspath(run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    say = Say(os.path.join(run_dir, "scale.log"))
+def _simulate_mode(cfg) -> str:
+    """simulate= as one of true, false, only (emit= checked too: both fail before any work)."""
     mode = str(cfg.simulate).lower()
     if mode not in ("true", "false", "only"):
         raise ConfigError(f"simulate={cfg.simulate!r} is not one of true, false, only")
     if cfg.emit not in ("none", "torchrun", "slurm"):
         raise ConfigError(f"emit={cfg.emit!r} is not one of none, torchrun, slurm")
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    points, fits, profile, env = [], {}, "", dict(os.environ)
+    return mode
 
+
+def run_points(cfg, run_dir: str, say) -> tuple[list[sweep.Point], str, dict] | None:
+    """The sweep's points and profile and the environment they ran in: collected from run dirs,
+    or planned and launched here one by one. None where emit= printed command lines instead."""
+    if cfg.collect:
+        return [sweep.collect_point(d) for d in cfg.collect], "collected", dict(os.environ)
+    points, profile = sweep.plan(cfg, PASSTHROUGH, run_dir)
+    runnable = [p for p in points if p.status == "planned"]
+    if runnable:
+        sweep.check_point_config(runnable[0])
+    if cfg.emit != "none":
+        emit(cfg, points, say)
+        return None
+    env = sweep.point_env(cfg, profile, max(p.world_size for p in points))
+    timeout = cfg.point_timeout_s or (300.0 if profile == "cpu" else 600.0)
+    say(f"sweep: {len(points)} points ({len(runnable)} to run), {cfg.mode} scaling, "
+        f"profile {profile}, world sizes {sorted({p.world_size for p in points})}, "
+        f"syncs {list(cfg.syncs)} -> {run_dir}")
+    for i, p in enumerate(points, 1):
+        if p.status == "planned":
+            say(f"[{i}/{len(points)}] {p.name}: running (timeout {timeout:.0f} s)")
+            sweep.launch(p, env, timeout, cfg.keep_checkpoints)
+        say(f"[{i}/{len(points)}] {p.name}: {_result(p)}")
+    return points, profile, env
+
+
+def say_tables(rows: list[dict], fits: dict, say) -> None:
+    """The measured table, the alpha-beta fits and the model against measurement, on the console."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    say("\n" + outputs.console_table(
+        rows, ["point", "status", "img_per_s", "img_per_s_per_gpu", "speedup", "efficiency",
+               "step_ms", "compute_ms", "exposed_comm_ms", "data_ms", "optim_ms", "other_ms",
+               "comm_bytes_per_step", "busbw_GBps", "rank_skew"]))
+    if fits:
+        say("\nalpha-beta fits:\n" + outputs.console_table(
+            [f.as_row() for f in fits.values()],
+            ["algo", "backend", "alpha_us", "bandwidth_GBps", "r2", "max_rel_err_pct",
+             "points"]))
+    if any(r["pred_efficiency"] == r["pred_efficiency"] for r in ok):
+        say("\nmodel vs measured:\n" + outputs.console_table(
+            ok, ["point", "exposed_comm_ms", "pred_exposed_comm_ms", "step_ms", "pred_step_ms",
+                 "efficiency", "pred_efficiency", "pred_err_pct"]))
+
+
+def tabulate(cfg, points, profile: str, env: dict, run_dir: str, say) -> tuple:
+    """Rows, fits and predictions of the points, written (manifest, CSV, TensorBoard, plot) and
+    printed; returns (rows, fits, manifest, csv path)."""
+    man = outputs.write_manifest(os.path.join(run_dir, "manifest.json"),
+                                 OmegaConf.to_container(cfg, resolve=True), PASSTHROUGH, profile,
+                                 env)
+    rows = sweep.rows_from_points(points)
+    fits = {}
+    if not cfg.collect or cfg.predict.table:  # collected runs: only a given table
+        fits = _fits(cfg, points, run_dir, profile, env, say)
+    sweep.predict_rows(rows, points, fits)
+    csv_path = outputs.write_csv(rows, run_dir)
+    outputs.write_tensorboard(rows, run_dir)
+    outputs.plot(rows, os.path.join(run_dir, "scaling.png"),
+                 f"{rows[0]['model'] if rows else ''} {cfg.mode} scaling, profile {profile}")
+    say_tables(rows, fits, say)
+    return rows, fits, man, csv_path
+
+
+def task(cfg, run_dir: str) -> None:
+    run_dir = os.path.abspath(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    say = Say(os.path.join(run_dir, "scale.log"))
+    mode = _simulate_mode(cfg)
+    points, fits = [], {}
     if mode != "only":
-        if cfg.collect:
-            points = [sweep.collect_point(d) for d in cfg.collect]
-            profile = "collected"
-        else:
-            points, profile = sweep.plan(cfg, PASSTHROUGH, run_dir)
-            runnable = [p for p in points if p.status == "planned"]
-            if runnable:
-                sweep.check_point_config(runnable[0])
-            if cfg.emit != "none":
-                emit(cfg, points, say)
-                return
-            env = sweep.point_env(cfg, profile, max(p.world_size for p in points))
-            timeout = cfg.point_timeout_s or (300.0 if profile == "cpu" else 600.0)
-            say(f"sweep: {len(points)} points ({len(runnable)} to run), {cfg.mode} scaling, "
-                f"profile {profile}, world sizes {sorted({p.world_size for p in points})}, "
-                f"syncs {list(cfg.syncs)} -> {run_dir}")
-            for i, p in enumerate(points, 1):
-                if p.status == "planned":
-                    say(f"[{i}/{len(points)}] {p.name}: running (timeout {timeout:.0f} s)")
-                    sweep.launch(p, env, timeout, cfg.keep_checkpoints)
-                say(f"[{i}/{len(points)}] {p.name}: {_result(p)}")
-        man = outputs.write_manifest(os.path.join(run_dir, "manifest.json"), cfg_dict,
-                                     PASSTHROUGH, profile, env)
-        rows = sweep.rows_from_points(points)
-        if not cfg.collect or cfg.predict.table:  # collected runs: only a given table
-            fits = _fits(cfg, points, run_dir, profile, env, say)
-        sweep.predict_rows(rows, points, fits)
-        csv_path = outputs.write_csv(rows, run_dir)
-        outputs.write_tensorboard(rows, run_dir)
-        outputs.plot(rows, os.path.join(run_dir, "scaling.png"),
-                     f"{rows[0]['model'] if rows else ''} {cfg.mode} scaling, profile {profile}")
-        ok = [r for r in rows if r["status"] == "ok"]
-        say("\n" + outputs.console_table(
-            rows, ["point", "status", "img_per_s", "img_per_s_per_gpu", "speedup", "efficiency",
-                   "step_ms", "compute_ms", "exposed_comm_ms", "data_ms", "optim_ms", "other_ms",
-                   "comm_bytes_per_step", "busbw_GBps", "rank_skew"]))
-        if fits:
-            say("\nalpha-beta fits:\n" + outputs.console_table(
-                [f.as_row() for f in fits.values()],
-                ["algo", "backend", "alpha_us", "bandwidth_GBps", "r2", "max_rel_err_pct",
-                 "points"]))
-        if any(r["pred_efficiency"] == r["pred_efficiency"] for r in ok):
-            say("\nmodel vs measured:\n" + outputs.console_table(
-                ok, ["point", "exposed_comm_ms", "pred_exposed_comm_ms", "step_ms", "pred_step_ms",
-                     "efficiency", "pred_efficiency", "pred_err_pct"]))
+        swept = run_points(cfg, run_dir, say)
+        if swept is None:  # emit=: command lines only
+            return
+        points, profile, env = swept
+        rows, fits, man, csv_path = tabulate(cfg, points, profile, env, run_dir, say)
     sim_md = ""
     if mode in ("true", "only"):
         say("\nsimulation:")

@@ -146,6 +146,31 @@ def md_table(rows: list[dict], columns: list[str]) -> str:
                                               for c in columns) + " |" for r in rows)
 
 
+# The closing section of report.md.
+HOW_TO_READ = [
+    "- **efficiency** = img/s at N / (N x img/s at N=1 of the same sync and setting "
+    "(`baseline`)). 1.0 is perfect; **speedup** = N x efficiency. In weak scaling "
+    "(default) every GPU keeps its batch, so the lost fraction is time each step spends "
+    "not computing: exposed communication, waiting for stragglers, contention. In strong "
+    "scaling the global batch is fixed (per-rank batch = global / N), the same formula "
+    "is T_1 / (N T_N) for one global batch, and it also loses the per-GPU efficiency of "
+    "smaller batches and the optimizer step, which does not shrink with the batch.",
+    "- **step breakdown** (ms, medians over timed steps): `compute` = forward + backward, "
+    "`exposed_comm` = the time the step waits for gradients beyond compute, `data`, "
+    "`optim`, and `other` = median step - the sum of the phase medians (medians do not "
+    "add up exactly). DDP waits for its all-reduces inside backward: unless the loop "
+    "reports `time_ms.exposed_comm`, the exposed part is estimated as backward at N - "
+    "backward at N=1 (weak scaling only; `comm_source` says which was used).",
+    "- **comm_bytes_per_step**: bytes rank 0 sends per step as the sync reports them; "
+    "**busbw_GBps** = gradient bytes x 2(N-1)/N / communication time (nccl-tests' bus "
+    "bandwidth), from the exposed time (`busbw_source=exposed`, an upper bound whenever "
+    "communication overlaps backward) unless the sync reports its busy time.",
+    "- **rank_skew** = slowest / fastest rank's median step - 1: stragglers.",
+    "- The CPU profile (gloo on a few cores) shows the machinery, not GPU scaling: ranks "
+    "share cores and memory bandwidth with each other and with gloo's threads.",
+]
+
+
 def report(rows: list[dict], fits: dict, man: dict, out_dir: str, extra: str = "") -> str:
     """report.md: the table, the model's prediction next to it, failures, how to read it."""
     ok = [r for r in rows if r["status"] == "ok"]
@@ -179,27 +204,7 @@ def report(rows: list[dict], fits: dict, man: dict, out_dir: str, extra: str = "
     if failed:
         lines += ["## Points that did not run", "",
                   md_table(failed, ["point", "status", "error"]), ""]
-    lines += ["## How to read this", "",
-              "- **efficiency** = img/s at N / (N x img/s at N=1 of the same sync and setting "
-              "(`baseline`)). 1.0 is perfect; **speedup** = N x efficiency. In weak scaling "
-              "(default) every GPU keeps its batch, so the lost fraction is time each step spends "
-              "not computing: exposed communication, waiting for stragglers, contention. In strong "
-              "scaling the global batch is fixed (per-rank batch = global / N), the same formula "
-              "is T_1 / (N T_N) for one global batch, and it also loses the per-GPU efficiency of "
-              "smaller batches and the optimizer step, which does not shrink with the batch.",
-              "- **step breakdown** (ms, medians over timed steps): `compute` = forward + backward, "
-              "`exposed_comm` = the time the step waits for gradients beyond compute, `data`, "
-              "`optim`, and `other` = median step - the sum of the phase medians (medians do not "
-              "add up exactly). DDP waits for its all-reduces inside backward: unless the loop "
-              "reports `time_ms.exposed_comm`, the exposed part is estimated as backward at N - "
-              "backward at N=1 (weak scaling only; `comm_source` says which was used).",
-              "- **comm_bytes_per_step**: bytes rank 0 sends per step as the sync reports them; "
-              "**busbw_GBps** = gradient bytes x 2(N-1)/N / communication time (nccl-tests' bus "
-              "bandwidth), from the exposed time (`busbw_source=exposed`, an upper bound whenever "
-              "communication overlaps backward) unless the sync reports its busy time.",
-              "- **rank_skew** = slowest / fastest rank's median step - 1: stragglers.",
-              "- The CPU profile (gloo on a few cores) shows the machinery, not GPU scaling: ranks "
-              "share cores and memory bandwidth with each other and with gloo's threads.", ""]
+    lines += ["## How to read this", "", *HOW_TO_READ, ""]
     if extra:
         lines += [extra, ""]
     path = os.path.join(out_dir, "report.md")

@@ -102,77 +102,76 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] | None = None,
-        say=print) -> str:
-    """Run the simulation, print its tables, write its files; returns the markdown section."""
-    fits = fits or {}
-    times, source = compute_times(sim, measured or {})
-    nets = networks(sim, fits)
-    buckets = sorted(set(list(sim.bucket_sweep) + [sim.bucket_mb]), key=lambda b: b or math.inf)
-    rows = net.simulate(times, nets, list(sim.world_sizes), list(sim.grad_dtypes), buckets,
-                        batch_per_gpu=sim.batch_per_gpu, overlap=sim.overlap,
-                        compute_source=source)
-    write_rows(rows, out_dir, "simulation")
-    main = next((n for n in nets if n.name == sim.network), nets[0])
-    md = ["## Simulation", "",
-          f"Weak scaling, {sim.batch_per_gpu} images per GPU, overlap {'on' if sim.overlap else 'off'}, "
-          f"{sim.bucket_mb:g} MB buckets unless said otherwise. Network `{main.name}`: {main.note}. "
-          "Compute per step (forward + backward, ms): "
-          + ", ".join(f"{m} {1e3 * t:.1f} ({source[m]})" for m, t in times.items()) + ".", ""]
-    text = []
+def pick(rows: list[dict], **kw) -> list[dict]:
+    return [r for r in rows if all(r[k] == v for k, v in kw.items())]
 
-    def pick(**kw):
-        return [r for r in rows if all(r[k] == v for k, v in kw.items())]
 
-    # 1. Efficiency per model, algorithm and gradient dtype on the main network.
-    for m in times:
-        table = []
-        for n in sim.world_sizes:
-            row = {"N": n}
-            for dtype in sim.grad_dtypes:
-                for algo in main.algos():
-                    r = pick(network=main.name, model=m, grad_dtype=dtype, algo=algo,
-                             world_size=n, bucket_mb=sim.bucket_mb)
-                    if r:
-                        row[f"{algo}/{dtype}"] = _pct(r[0]["efficiency"])
-            best_algo = "hring" if "hring" in main.algos() else main.algos()[-1]
-            dtype = sim.grad_dtypes[-1]
-            cands = pick(network=main.name, model=m, grad_dtype=dtype, algo=best_algo, world_size=n)
-            if cands:
-                best = max(cands, key=lambda r: r["efficiency"])
-                row[f"best bucket ({best_algo}/{dtype})"] = \
-                    f"{_bucket(best['bucket_mb'])} {_pct(best['efficiency'])}"
-                at = pick(network=main.name, model=m, grad_dtype=dtype, algo=best_algo,
-                          world_size=n, bucket_mb=sim.bucket_mb)
-                if at:
-                    row["img/s"] = f"{at[0]['img_per_s']:,.0f}"
-            if len(row) > 1:
-                table.append(row)
-        if table:
-            grad = net.profile_model(m).parameters
-            title = (f"{m} ({grad / 1e6:.1f} M params, {times[m] * 1e3:.1f} ms compute, "
-                     f"{source[m]}), efficiency on {main.name}")
-            text += [title, format_table(table), ""]
-            md += [f"### {title}", "", _md(table), ""]
+def _best_algo(network: net.Network) -> str:
+    """The algorithm a network's tables lead with: the two-level ring, else the last one (a fit)."""
+    return "hring" if "hring" in network.algos() else network.algos()[-1]
 
-    # 2. The networks compared: the two-level ring (or the fit) with bf16 gradients.
+
+class Sections:
+    """The simulation's tables twice over: console text and the markdown of simulation.md."""
+
+    def __init__(self, md: list[str]):
+        self.text: list[str] = []
+        self.md = md
+
+    def table(self, title: str, table: list[dict], md_after: tuple[str, ...] = ()) -> None:
+        self.text += [title, format_table(table), ""]
+        self.md += [f"### {title}", "", _md(table), "", *md_after]
+
+    def bullets(self, title: str, items: list[str]) -> None:
+        self.text += [f"{title}:"] + [f"- {f}" for f in items] + [""]
+        self.md += [f"### {title}", ""] + [f"- {f}" for f in items] + [""]
+
+
+def model_efficiency(rows, main: net.Network, m: str, sim) -> list[dict]:
+    """One model on the main network: efficiency per N, algorithm and gradient dtype, the best
+    bucket size of its best algorithm and the img/s at the configured bucket."""
+    table = []
+    for n in sim.world_sizes:
+        row = {"N": n}
+        for dtype in sim.grad_dtypes:
+            for algo in main.algos():
+                r = pick(rows, network=main.name, model=m, grad_dtype=dtype, algo=algo,
+                         world_size=n, bucket_mb=sim.bucket_mb)
+                if r:
+                    row[f"{algo}/{dtype}"] = _pct(r[0]["efficiency"])
+        best_algo, dtype = _best_algo(main), sim.grad_dtypes[-1]
+        cands = pick(rows, network=main.name, model=m, grad_dtype=dtype, algo=best_algo,
+                     world_size=n)
+        if cands:
+            best = max(cands, key=lambda r: r["efficiency"])
+            row[f"best bucket ({best_algo}/{dtype})"] = \
+                f"{_bucket(best['bucket_mb'])} {_pct(best['efficiency'])}"
+            at = pick(rows, network=main.name, model=m, grad_dtype=dtype, algo=best_algo,
+                      world_size=n, bucket_mb=sim.bucket_mb)
+            if at:
+                row["img/s"] = f"{at[0]['img_per_s']:,.0f}"
+        if len(row) > 1:
+            table.append(row)
+    return table
+
+
+def network_efficiency(rows, nets: list[net.Network], times: dict, sim) -> list[dict]:
+    """Every network's best algorithm, per model and N, with the last gradient dtype."""
     table = []
     for network in nets:
-        algo = "hring" if "hring" in network.algos() else network.algos()[-1]
+        algo = _best_algo(network)
         for m in times:
             row = {"network": network.name, "model": m, "algo": algo}
             for n in sim.world_sizes:
-                r = pick(network=network.name, model=m, grad_dtype=sim.grad_dtypes[-1], algo=algo,
-                         world_size=n, bucket_mb=sim.bucket_mb)
+                r = pick(rows, network=network.name, model=m, grad_dtype=sim.grad_dtypes[-1],
+                         algo=algo, world_size=n, bucket_mb=sim.bucket_mb)
                 row[str(n)] = _pct(r[0]["efficiency"]) if r else ""
             table.append(row)
-    title = f"Efficiency by network ({sim.grad_dtypes[-1]} gradients, {sim.bucket_mb:g} MB buckets)"
-    text += [title, format_table(table), ""]
-    md += [f"### {title}", "", _md(table), ""]
+    return table
 
-    # 3. One all-reduce: which algorithm is fastest per message size and world size.
-    ar = allreduce_rows(main, sim.world_sizes)
-    write_rows(ar, out_dir, "simulation_allreduce")
+
+def fastest_allreduce(ar: list[dict], main: net.Network, sim) -> list[dict]:
+    """Which algorithm is fastest per message size and N, and where tree stops winning."""
     table = []
     for n in sim.world_sizes:
         row = {"N": n}
@@ -184,44 +183,42 @@ def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] 
         if "hring" in main.algos():
             row["tree < hring below"] = _human(tree_crossover(main, n, "hring"))
         table.append(row)
-    title = f"Fastest all-reduce per message size on {main.name}"
-    text += [title, format_table(table), ""]
-    md += [f"### {title}", "", _md(table), ""]
+    return table
 
-    # 4. Findings in words.
-    findings = []
+
+def findings(rows, main: net.Network, times: dict, sim) -> list[str]:
+    """The tables' lessons in words: where naive collapses, where tree beats the flat ring, and
+    how much the bucket size matters at the largest N."""
+    out, n_top, dtype = [], max(sim.world_sizes), sim.grad_dtypes[-1]
     for m in times:
-        for dtype in sim.grad_dtypes:
-            r = [x for x in pick(network=main.name, model=m, grad_dtype=dtype, algo="naive",
+        for dt in sim.grad_dtypes:
+            r = [x for x in pick(rows, network=main.name, model=m, grad_dtype=dt, algo="naive",
                                  bucket_mb=sim.bucket_mb) if x["efficiency"] < 0.5]
             if r:
-                findings.append(f"naive falls below 50% at {min(x['world_size'] for x in r)} GPUs "
-                                f"for {m} with {dtype} gradients on {main.name}")
-    n_top = max(sim.world_sizes)
+                out.append(f"naive falls below 50% at {min(x['world_size'] for x in r)} GPUs "
+                           f"for {m} with {dt} gradients on {main.name}")
     for m in times:
         for b in (1.0, sim.bucket_mb):
-            t = pick(network=main.name, model=m, grad_dtype=sim.grad_dtypes[-1], algo="tree",
-                     world_size=n_top, bucket_mb=b)
-            g = pick(network=main.name, model=m, grad_dtype=sim.grad_dtypes[-1], algo="ring",
-                     world_size=n_top, bucket_mb=b)
+            at = dict(network=main.name, model=m, grad_dtype=dtype, world_size=n_top, bucket_mb=b)
+            t, g = pick(rows, algo="tree", **at), pick(rows, algo="ring", **at)
             if t and g and t[0]["efficiency"] > g[0]["efficiency"]:
-                findings.append(f"tree beats the flat ring for {m} at {n_top} GPUs with {b:g} MB "
-                                f"buckets ({_pct(t[0]['efficiency'])} vs {_pct(g[0]['efficiency'])})")
+                out.append(f"tree beats the flat ring for {m} at {n_top} GPUs with {b:g} MB "
+                           f"buckets ({_pct(t[0]['efficiency'])} vs {_pct(g[0]['efficiency'])})")
     for m in times:
-        algo = "hring" if "hring" in main.algos() else main.algos()[-1]
-        cands = pick(network=main.name, model=m, grad_dtype=sim.grad_dtypes[-1], algo=algo,
+        algo = _best_algo(main)
+        cands = pick(rows, network=main.name, model=m, grad_dtype=dtype, algo=algo,
                      world_size=n_top)
         if cands:
             best = max(cands, key=lambda r: r["efficiency"])
             worst = min(cands, key=lambda r: r["efficiency"])
-            findings.append(
-                f"best bucket for {m} ({algo}, {n_top} GPUs): {_bucket(best['bucket_mb'])} -> "
-                f"{_pct(best['efficiency'])} (worst {_bucket(worst['bucket_mb'])} -> "
-                f"{_pct(worst['efficiency'])})")
-    text += ["Findings:"] + [f"- {f}" for f in findings] + [""]
-    md += ["### Findings", ""] + [f"- {f}" for f in findings] + [""]
+            out.append(f"best bucket for {m} ({algo}, {n_top} GPUs): {_bucket(best['bucket_mb'])} "
+                       f"-> {_pct(best['efficiency'])} (worst {_bucket(worst['bucket_mb'])} -> "
+                       f"{_pct(worst['efficiency'])})")
+    return out
 
-    # 5. Sanity: published scaling of AlexNet-like vs conv-heavy models.
+
+def sanity_table() -> list[dict]:
+    """The published cases (SANITY) against this model, with and without overlap."""
     table = []
     for case, net_name, n, m, ips, batch, bucket, published in SANITY:
         profile = net.profile_model(m)
@@ -234,18 +231,50 @@ def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] 
                                  bucket_mb=bucket, elem_bytes=4, overlap=overlap)
             row["model, overlap" if overlap else "model, no overlap"] = _pct(compute / p.step_s)
         table.append(row)
-    title = ("Sanity: published scaling vs this model (fp32 gradients, flat ring, assumed "
-             "per-GPU throughput of the time)")
-    text += [title, format_table(table), ""]
-    md += [f"### {title}", "", _md(table), "",
-           "Networks: " + "; ".join(f"`{k}`: {v.note}" for k, v in net.PRESETS.items()
-                                     if k in ("dgx1_p100", "horovod_p100")) + ".", ""]
+    return table
 
+
+def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] | None = None,
+        say=print) -> str:
+    """Run the simulation, print its tables, write its files; returns the markdown section."""
+    fits = fits or {}
+    times, source = compute_times(sim, measured or {})
+    nets = networks(sim, fits)
+    buckets = sorted(set(list(sim.bucket_sweep) + [sim.bucket_mb]), key=lambda b: b or math.inf)
+    rows = net.simulate(times, nets, list(sim.world_sizes), list(sim.grad_dtypes), buckets,
+                        batch_per_gpu=sim.batch_per_gpu, overlap=sim.overlap,
+                        compute_source=source)
+    write_rows(rows, out_dir, "simulation")
+    main = next((n for n in nets if n.name == sim.network), nets[0])
+    out = Sections(["## Simulation", "",
+                    f"Weak scaling, {sim.batch_per_gpu} images per GPU, overlap "
+                    f"{'on' if sim.overlap else 'off'}, {sim.bucket_mb:g} MB buckets unless said "
+                    f"otherwise. Network `{main.name}`: {main.note}. Compute per step (forward + "
+                    "backward, ms): "
+                    + ", ".join(f"{m} {1e3 * t:.1f} ({source[m]})" for m, t in times.items())
+                    + ".", ""])
+    for m in times:
+        table = model_efficiency(rows, main, m, sim)
+        if table:
+            out.table(f"{m} ({net.profile_model(m).parameters / 1e6:.1f} M params, "
+                      f"{times[m] * 1e3:.1f} ms compute, {source[m]}), efficiency on {main.name}",
+                      table)
+    out.table(f"Efficiency by network ({sim.grad_dtypes[-1]} gradients, {sim.bucket_mb:g} MB "
+              "buckets)", network_efficiency(rows, nets, times, sim))
+    ar = allreduce_rows(main, sim.world_sizes)
+    write_rows(ar, out_dir, "simulation_allreduce")
+    out.table(f"Fastest all-reduce per message size on {main.name}",
+              fastest_allreduce(ar, main, sim))
+    out.bullets("Findings", findings(rows, main, times, sim))
+    out.table("Sanity: published scaling vs this model (fp32 gradients, flat ring, assumed "
+              "per-GPU throughput of the time)", sanity_table(),
+              md_after=("Networks: " + "; ".join(f"`{k}`: {v.note}" for k, v in net.PRESETS.items()
+                                                 if k in ("dgx1_p100", "horovod_p100")) + ".", ""))
     with open(os.path.join(out_dir, "simulation.md"), "w") as f:
-        f.write("\n".join(md))
+        f.write("\n".join(out.md))
     plot(rows, main, times, sim, os.path.join(out_dir, "simulation.png"))
-    say("\n".join(text))
-    return "\n".join(md)
+    say("\n".join(out.text))
+    return "\n".join(out.md)
 
 
 def _md(table: list[dict]) -> str:
@@ -254,37 +283,30 @@ def _md(table: list[dict]) -> str:
                      + ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in table])
 
 
-def plot(rows, main, times, sim, path: str) -> str:
-    """Efficiency vs GPUs per algorithm, one panel per model (solid: bf16, dashed: fp32), and the
-    efficiency vs bucket size at the largest world size."""
-    import matplotlib
+ALGO_COLORS = {"naive": "tab:red", "ring": "tab:blue", "hring": "tab:green", "tree": "tab:orange",
+               "native": "tab:purple"}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    models = list(times)
-    fig, axes = plt.subplots(1, len(models) + 1, figsize=(4.2 * (len(models) + 1), 4.0),
-                             squeeze=False)
-    colors = {"naive": "tab:red", "ring": "tab:blue", "hring": "tab:green", "tree": "tab:orange",
-              "native": "tab:purple"}
-    for ax, m in zip(axes[0], models):
-        for algo in main.algos():
-            for dtype, ls in zip(sim.grad_dtypes[::-1], ("-", "--", ":")):
-                rs = sorted((r for r in rows if r["network"] == main.name and r["model"] == m
-                             and r["algo"] == algo and r["grad_dtype"] == dtype
-                             and r["bucket_mb"] == sim.bucket_mb), key=lambda r: r["world_size"])
-                if rs:
-                    ax.plot([r["world_size"] for r in rs], [r["efficiency"] for r in rs], ls=ls,
-                            marker="o", ms=3, color=colors.get(algo),
-                            label=f"{algo} {dtype}")
-        ax.set_title(f"{m} on {main.name}", fontsize=9)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(0, 1.05)
-        ax.set_xlabel("GPUs")
-        ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("efficiency")
-    axes[0][0].legend(fontsize=7)
-    ax = axes[0][-1]
+def _plot_model(ax, rows, main, m: str, sim) -> None:
+    """Efficiency vs GPUs of one model, a line per algorithm and gradient dtype."""
+    for algo in main.algos():
+        for dtype, ls in zip(sim.grad_dtypes[::-1], ("-", "--", ":")):
+            rs = sorted((r for r in rows if r["network"] == main.name and r["model"] == m
+                         and r["algo"] == algo and r["grad_dtype"] == dtype
+                         and r["bucket_mb"] == sim.bucket_mb), key=lambda r: r["world_size"])
+            if rs:
+                ax.plot([r["world_size"] for r in rs], [r["efficiency"] for r in rs], ls=ls,
+                        marker="o", ms=3, color=ALGO_COLORS.get(algo),
+                        label=f"{algo} {dtype}")
+    ax.set_title(f"{m} on {main.name}", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("GPUs")
+    ax.grid(True, alpha=0.3)
+
+
+def _plot_buckets(ax, rows, main, models: list[str], sim) -> None:
+    """Efficiency vs bucket size at the largest N, hring and tree, a colour per model."""
     n_top = max(sim.world_sizes)
     dtype = sim.grad_dtypes[-1]
     for m, color in zip(models, ("tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown",
@@ -303,6 +325,24 @@ def plot(rows, main, times, sim, path: str) -> str:
     ax.set_title(f"bucket size at {n_top} GPUs ({dtype})", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def plot(rows, main, times, sim, path: str) -> str:
+    """Efficiency vs GPUs per algorithm, one panel per model (solid: bf16, dashed: fp32), and the
+    efficiency vs bucket size at the largest world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(times)
+    fig, axes = plt.subplots(1, len(models) + 1, figsize=(4.2 * (len(models) + 1), 4.0),
+                             squeeze=False)
+    for ax, m in zip(axes[0], models):
+        _plot_model(ax, rows, main, m, sim)
+    axes[0][0].set_ylabel("efficiency")
+    axes[0][0].legend(fontsize=7)
+    _plot_buckets(axes[0][-1], rows, main, models, sim)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

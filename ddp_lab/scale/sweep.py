@@ -325,71 +325,88 @@ def grad_bytes(point: Point) -> float:
     return point.summary.get("parameters", 0) * net.GRAD_BYTES.get(dtype, 4)
 
 
+def baseline(p: Point, points: list[Point]) -> Point | None:
+    """The N=1 point `p` is measured against: the same sync and setting, else another sync's."""
+    ok = {(q.sync, q.extra, q.world_size): q for q in points if q.status == "ok"}
+    for sync in (p.sync, "none", "ddp", *sorted({q.sync for q in points})):
+        b = ok.get((sync, p.extra, 1))
+        if b is not None:
+            return b
+    return None
+
+
+def point_phases(p: Point, b: Point | None) -> dict:
+    """The point's step breakdown (ms), DDP's exposed communication estimated where the loop
+    does not report it, and `other`: what the phases' medians leave of the median step."""
+    s = p.summary
+    ph = phases(s) if s else dict.fromkeys(phases({}), float("nan"))
+    if s and ph["comm_source"] == "comm" and p.sync == "ddp" and b is not None \
+            and p.mode == "weak" and p.world_size > 1:
+        # DDP waits for its all-reduces inside backward and the loop does not (yet) measure
+        # how long: estimate the exposed part as the backward it added over the N=1 point
+        # (same per-rank batch in weak scaling), and move it from compute to communication.
+        extra = max(0.0, ph["backward_ms"] - phases(b.summary)["backward_ms"])
+        ph.update(exposed_comm_ms=ph["exposed_comm_ms"] + extra,
+                  compute_ms=ph["compute_ms"] - extra, backward_ms=ph["backward_ms"] - extra,
+                  comm_source="backward-backward(N=1)")
+    # Medians of the phases need not add up to the median step: the rest is `other`.
+    ph["other_ms"] = ph["step_ms"] - sum(ph[k] for k in ("compute_ms", "exposed_comm_ms",
+                                                         "data_ms", "optim_ms"))
+    return ph
+
+
+def bus_bandwidth(p: Point, ph: dict, gb: float) -> tuple[float, str]:
+    """(busbw GB/s, where its time came from): the sync's busy time if it reports one, else the
+    exposed time (an upper bound when communication overlaps backward); none for bare DDP."""
+    n = p.world_size
+    bus_bytes = gb * 2 * (n - 1) / n if n > 1 else 0.0
+    overlap = bool(p.config.get("sync", {}).get("overlap", True)) or p.sync == "ddp"
+    if not math.isnan(ph.get("comm_busy_ms", float("nan"))):
+        comm_t, bw_source = ph["comm_busy_ms"], "busy"
+    elif ph["comm_source"] == "comm" and p.sync == "ddp":
+        comm_t, bw_source = float("nan"), "none (DDP: not measured)"
+    else:
+        comm_t = ph["exposed_comm_ms"]
+        bw_source = "exposed (upper bound: overlapped)" if overlap else "exposed (no overlap)"
+    busbw = (bus_bytes / (comm_t * 1e-3) / 1e9
+             if n > 1 and comm_t == comm_t and comm_t > 0.1 else float("nan"))
+    return busbw, bw_source
+
+
+def point_row(p: Point, b: Point | None) -> dict:
+    """One point's row: what ran, throughput against baseline `b`, the step breakdown, bytes."""
+    s, n = p.summary, p.world_size
+    row = {"point": p.name, "status": p.status, "mode": p.mode, "sync": p.sync,
+           "setting": p.extra, "world_size": n,
+           "backend": s.get("backend", ""), "device": s.get("device", ""),
+           "model": s.get("model", p.config.get("model", {}).get("name", "")),
+           "precision": s.get("precision", ""), "per_rank_batch": p.per_rank_batch,
+           "global_batch": s.get("global_batch", p.per_rank_batch * n),
+           "timed_steps": s.get("timed_steps", 0)}
+    thr = _nan(s.get("train_img_per_s")) if s else float("nan")
+    thr1 = _nan(b.summary.get("train_img_per_s")) if b else float("nan")
+    ph = point_phases(p, b)
+    gb = grad_bytes(p) if s else float("nan")
+    busbw, bw_source = bus_bandwidth(p, ph, gb)
+    ranks = [x for x in s.get("rank_step_ms", []) if x == x]
+    row.update({
+        "img_per_s": thr, "img_per_s_per_gpu": thr / n,
+        "speedup": thr / thr1, "efficiency": thr / (n * thr1),
+        "baseline": b.name if b else "",
+        **{k: v for k, v in ph.items()},
+        "comm_bytes_per_step": s.get("comm_bytes_per_step", float("nan")) if s else float("nan"),
+        "grad_bytes": gb, "busbw_GBps": busbw, "busbw_source": bw_source if n > 1 else "",
+        "rank_skew": (max(ranks) / min(ranks) - 1) if len(ranks) > 1 and min(ranks) > 0 else 0.0,
+        "wall_s": p.wall_s, "error": p.error.replace("\n", " | ")[-600:],
+    })
+    if p.status != "ok":
+        row.update(comm_source="", busbw_source="", rank_skew=float("nan"))
+    return row
+
+
 def rows_from_points(points: list[Point]) -> list[dict]:
     """One row per point; efficiency against the N=1 point of the same sync and setting."""
-    ok = {(p.sync, p.extra, p.world_size): p for p in points if p.status == "ok"}
-
-    def baseline(p: Point) -> Point | None:
-        for sync in (p.sync, "none", "ddp", *sorted({q.sync for q in points})):
-            b = ok.get((sync, p.extra, 1))
-            if b is not None:
-                return b
-        return None
-
-    rows = []
-    for p in points:
-        s = p.summary
-        row = {"point": p.name, "status": p.status, "mode": p.mode, "sync": p.sync,
-               "setting": p.extra, "world_size": p.world_size,
-               "backend": s.get("backend", ""), "device": s.get("device", ""),
-               "model": s.get("model", p.config.get("model", {}).get("name", "")),
-               "precision": s.get("precision", ""), "per_rank_batch": p.per_rank_batch,
-               "global_batch": s.get("global_batch", p.per_rank_batch * p.world_size),
-               "timed_steps": s.get("timed_steps", 0)}
-        thr = _nan(s.get("train_img_per_s")) if s else float("nan")
-        b = baseline(p) if p.status == "ok" else None
-        thr1 = _nan(b.summary.get("train_img_per_s")) if b else float("nan")
-        ph = phases(s) if s else dict.fromkeys(phases({}), float("nan"))
-        n = p.world_size
-        if s and ph["comm_source"] == "comm" and p.sync == "ddp" and b is not None \
-                and p.mode == "weak" and n > 1:
-            # DDP waits for its all-reduces inside backward and the loop does not (yet) measure
-            # how long: estimate the exposed part as the backward it added over the N=1 point
-            # (same per-rank batch in weak scaling), and move it from compute to communication.
-            extra = max(0.0, ph["backward_ms"] - phases(b.summary)["backward_ms"])
-            ph.update(exposed_comm_ms=ph["exposed_comm_ms"] + extra,
-                      compute_ms=ph["compute_ms"] - extra, backward_ms=ph["backward_ms"] - extra,
-                      comm_source="backward-backward(N=1)")
-        # Medians of the phases need not add up to the median step: the rest is `other`.
-        ph["other_ms"] = ph["step_ms"] - sum(ph[k] for k in ("compute_ms", "exposed_comm_ms",
-                                                             "data_ms", "optim_ms"))
-        gb = grad_bytes(p) if s else float("nan")
-        bus_bytes = gb * 2 * (n - 1) / n if n > 1 else 0.0
-        overlap = bool(p.config.get("sync", {}).get("overlap", True)) or p.sync == "ddp"
-        if not math.isnan(ph.get("comm_busy_ms", float("nan"))):
-            comm_t, bw_source = ph["comm_busy_ms"], "busy"
-        elif ph["comm_source"] == "comm" and p.sync == "ddp":
-            comm_t, bw_source = float("nan"), "none (DDP: not measured)"
-        else:
-            comm_t = ph["exposed_comm_ms"]
-            bw_source = "exposed (upper bound: overlapped)" if overlap else "exposed (no overlap)"
-        busbw = (bus_bytes / (comm_t * 1e-3) / 1e9
-                 if n > 1 and comm_t == comm_t and comm_t > 0.1 else float("nan"))
-        ranks = [x for x in s.get("rank_step_ms", []) if x == x]
-        row.update({
-            "img_per_s": thr, "img_per_s_per_gpu": thr / n,
-            "speedup": thr / thr1, "efficiency": thr / (n * thr1),
-            "baseline": b.name if b else "",
-            **{k: v for k, v in ph.items()},
-            "comm_bytes_per_step": s.get("comm_bytes_per_step", float("nan")) if s else float("nan"),
-            "grad_bytes": gb, "busbw_GBps": busbw, "busbw_source": bw_source if n > 1 else "",
-            "rank_skew": (max(ranks) / min(ranks) - 1) if len(ranks) > 1 and min(ranks) > 0 else 0.0,
-            "wall_s": p.wall_s, "error": p.error.replace("\n", " | ")[-600:],
-        })
-        if p.status != "ok":
-            row.update(comm_source="", busbw_source="", rank_skew=float("nan"))
-        rows.append(row)
-    return rows
+    return [point_row(p, baseline(p, points) if p.status == "ok" else None) for p in points]
 
 
 # ---- the model's prediction of each point ------------------------------------------------------
