@@ -7,6 +7,19 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+# Fixtures that launch real runs (torchrun jobs, benchmark and sweep processes) or wait on them:
+# a test that uses one, directly or through another fixture, is slow. Tests that launch in their
+# own body carry @pytest.mark.slow themselves.
+LAUNCHING_FIXTURES = {"together", "small_references", "runs", "sweep", "launched"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier (`-m "not slow"`) leaves out every test that waits on a launched run."""
+    for item in items:
+        if LAUNCHING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def base_temp_dir_first(tmp_path_factory):
     """pytest's base temporary directory, made before any test. Fixtures make run dirs from
@@ -44,7 +57,8 @@ def together(request, tmp_path_factory):
     from helpers import TOGETHER, run_together
 
     modules = {getattr(item.module, "__name__", None) for item in request.session.items
-               if getattr(item, "module", None) is not None}
+               if getattr(item, "module", None) is not None
+               and "together" in getattr(item, "fixturenames", ())}
     chosen = sorted(((name, cost, fn) for name, (used_by, cost, fn) in TOGETHER.items()
                      if modules.intersection(used_by)), key=lambda c: -c[1])
 
