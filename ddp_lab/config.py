@@ -119,7 +119,7 @@ class TrainConfig:
     progress: bool = True  # progress bar on rank 0
     resume: str = "auto"  # auto | never | path to a checkpoint
     stop_at_step: int = 0  # > 0: stop at this step as if interrupted (checkpoint written)
-    # (past the run's last step: refused under max_steps; a run in epochs just completes)
+    # (a step past the run's last is refused: check_steps_reachable)
     checkpoint_every: int = 0  # steps between checkpoints; 0: end of each epoch and at the end
     keep_every: int = 0  # also keep checkpoint_step<N>.pt every this many steps; 0: never
     # fp32/bf16 inf/NaN loss or grads: skip the step on every rank | stop | off (no per-step
@@ -348,19 +348,24 @@ def _check_optim(cfg) -> None:
 
 
 def _check_run_length(cfg) -> None:
-    """Steps that a run of known length (train.max_steps) would never reach. A run counted in
-    epochs learns its length from the data, after this."""
-    t, f = cfg.train, cfg.fault
+    t = cfg.train
     if t.epochs == 0 and t.max_steps == 0:
         raise ConfigError("set train.epochs or train.max_steps to something > 0")
-    if not t.max_steps:
-        return
+    if t.max_steps:
+        check_steps_reachable(cfg, t.max_steps, "train.max_steps")
+
+
+def check_steps_reachable(cfg, total_steps: int, why: str) -> None:
+    """Refuse a stop or a fault at a step past the run's last, `total_steps` (`why`: where that
+    number comes from). validate() checks runs of train.max_steps; a run counted in epochs learns
+    its length from the data, so its builder calls this once it knows."""
+    t, f = cfg.train, cfg.fault
     fault_at = f.at_step if max(f.kill_rank, f.hang_rank, f.perturb_rank) >= 0 else 0
     for key, step in (("train.stop_at_step", t.stop_at_step), ("fault.at_step", fault_at),
                       ("fault.nan_at_step", f.nan_at_step)):
-        if step > t.max_steps:
-            raise ConfigError(f"{key}={step} is past the run's last step "
-                              f"(train.max_steps={t.max_steps}): it would never happen")
+        if step > total_steps:
+            raise ConfigError(f"{key}={step} is past the run's last step ({why}: "
+                              f"{total_steps}): it would never happen")
 
 
 def _check_reliability(cfg) -> None:

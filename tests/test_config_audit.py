@@ -6,18 +6,19 @@ these trained to NaN, failed with a traceback from inside torch, or ran with the
 import pytest
 import torch
 
-from ddp_lab.config import ConfigError, validate
+from ddp_lab.config import ConfigError, check_steps_reachable, validate
 from ddp_lab.models import IMAGE_SIZES, STEMS, build_model
 from helpers import compose_config, launch_together, python_module
 
 REFUSED = [  # (overrides, what the message says)
-    # non-finite floats: nan passes no comparison, inf every one
+    # non-finite floats: `> 0` refused nan only because nan fails every comparison; inf passed
     (["optim.lr=inf"], "optim.lr=inf must be finite"),
     (["optim.lr=nan"], "optim.lr=nan must be finite"),
     (["dist.timeout_s=inf"], "dist.timeout_s=inf must be finite"),
     # 1 ms: every rank but the first failed connecting to the store, with a traceback from torch
     (["dist.timeout_s=0.001"], "dist.timeout_s=0.001 is too short for ranks to meet"),
-    (["fault.hang_rank=0", "fault.at_step=1", "fault.hang_s=nan"], "fault.hang_s=nan must be finite"),
+    (["fault.hang_rank=0", "fault.at_step=1", "fault.hang_s=nan"],
+     "fault.hang_s=nan must be finite"),
     (["optim=adamw", "optim.betas=[0.9,inf]"], "optim.betas=[0.9,inf] must be finite"),
     # optimizer values torch refuses with a traceback at its construction or first step
     (["optim=adamw", "optim.betas=[0.9]"], "optim.betas=[0.9] must be two numbers in [0, 1)"),
@@ -42,7 +43,8 @@ REFUSED = [  # (overrides, what the message says)
     (["data=synthetic", "data.num_classes=1"], "data.num_classes=1: a classifier needs"),
     # keys nothing reads in that combination (the run would record a setting it did not have)
     (["data.num_classes=5"], "data.num_classes=5 has no effect with data=digits"),
-    (["data=synthetic", "data.augment=true"], "data.augment=true has no effect with data=synthetic"),
+    (["data=synthetic", "data.augment=true"],
+     "data.augment=true has no effect with data=synthetic"),
     (["data=synthetic", "data.on_device=false"], "data.on_device=false has no effect with "
                                                  "data=synthetic"),
     (["sync.overlap=false"], "sync.overlap=false has no effect with sync=ddp, only with "
@@ -51,7 +53,8 @@ REFUSED = [  # (overrides, what the message says)
     (["sync=none", "sync.bucket_mb=4"], "sync.bucket_mb=4.0 has no effect with sync=none"),
     (["sync=ring", "sync.gradient_as_bucket_view=true"],
      "sync.gradient_as_bucket_view=true has no effect with sync=ring, only with sync=ddp"),
-    (["sync=tree", "sync.static_graph=true"], "sync.static_graph=true has no effect with sync=tree"),
+    (["sync=tree", "sync.static_graph=true"],
+     "sync.static_graph=true has no effect with sync=tree"),
     (["precision=fp32", "precision.init_scale=1024"],
      "precision.init_scale=1024.0 has no effect with precision.grad_scaler=false"),
     (["optim=adamw", "optim.nesterov=true"], "optim.nesterov=true has no effect with optim=adamw"),
@@ -72,7 +75,7 @@ REFUSED = [  # (overrides, what the message says)
     (["precision=fp16", "precision.growth_interval=0"], "precision.growth_interval=0 must be > 0"),
     # steps a run of train.max_steps never reaches
     (["train.max_steps=2", "train.stop_at_step=5"],
-     "train.stop_at_step=5 is past the run's last step (train.max_steps=2)"),
+     "train.stop_at_step=5 is past the run's last step (train.max_steps: 2)"),
     (["train.max_steps=2", "fault.kill_rank=0", "fault.at_step=3"], "fault.at_step=3 is past"),
     (["train.max_steps=2", "fault.nan_at_step=3"], "fault.nan_at_step=3 is past"),
     # fault injection that would silently do nothing
@@ -95,7 +98,8 @@ def test_refused_before_anything_runs(overrides, needle):
 ACCEPTED = [  # every group option with the others' defaults, and the combinations that are fine
     ["model=alexnet"], ["model=alexnet", "model.image_size=128"], ["model.image_size=40"],
     ["model.stem=space_to_depth"], ["data=synthetic"], ["data=cifar10"],
-    ["data=imagefolder", "data.root=/x"], ["data=imagefolder", "data.root=/x", "data.on_device=false"],
+    ["data=imagefolder", "data.root=/x"],
+    ["data=imagefolder", "data.root=/x", "data.on_device=false"],
     ["data.augment=true"], ["data.download=true"], ["data.root=/x"], ["data.num_workers=0"],
     ["data.num_samples=100", "data.val_samples=10"],  # synthetic's own: ignored by other sets
     *[[f"sync={s}"] for s in ("none", "naive", "ring", "tree")],
@@ -115,6 +119,15 @@ ACCEPTED = [  # every group option with the others' defaults, and the combinatio
                                                "fault.hang_s=2"],
     ["fault.nan_at_step=2", "fault.nan_rank=1", "fault.nan_value=inf"],
 ]
+
+
+def test_steps_past_a_run_counted_in_epochs_are_refused_once_its_length_is_known():
+    cfg = compose_config(["train.epochs=2", "fault.kill_rank=0", "fault.at_step=50"])
+    validate(cfg)  # the length is not known yet
+    check_steps_reachable(cfg, 50, "2 epochs")
+    with pytest.raises(ConfigError, match="fault.at_step=50 is past the run's last step "
+                                          r"\(2 epochs: 44\)"):
+        check_steps_reachable(cfg, 44, "2 epochs")
 
 
 @pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(o) for o in ACCEPTED])
