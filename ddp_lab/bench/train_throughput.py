@@ -119,11 +119,6 @@ def compose_train_config(overrides: list[str]):
 def row_overrides(model: str, precision: str, channels_last: bool, compile_: bool, batch: int,
                   steps: int, warmup: int, device: torch.device, seed: int,
                   extra: list[str] = (), cuda_graph: bool = False) -> list[str]:
-    # The sizes of the synthetic set only; another set (ddp_overrides=[data=digits]) refuses them.
-    data = next((o.split("=", 1)[1] for o in reversed(extra) if o.startswith("data=")), "synthetic")
-    sizes = ([f"data.val_samples={batch}",  # evaluation is not timed; keep it short anyway
-              f"data.num_samples={max(50_000, batch * (warmup + steps + 1))}"]  # one epoch
-             if data == "synthetic" else [])
     return [f"model={model}", "data=synthetic", "sync=none", f"precision={precision}",
             f"train.batch_size={batch}", f"train.channels_last={str(channels_last).lower()}",
             f"train.compile={str(compile_).lower()}", f"train.cuda_graph={str(cuda_graph).lower()}",
@@ -132,7 +127,9 @@ def row_overrides(model: str, precision: str, channels_last: bool, compile_: boo
             "train.resume=never", f"train.log_every={warmup + steps + cuda_graph}",
             # one checkpoint, at the end: a small real set's epochs are a few steps each, and a
             # checkpoint per epoch (the default) would drain the GPU's queue every few steps
-            f"train.checkpoint_every={warmup + steps + cuda_graph}", *sizes,
+            f"train.checkpoint_every={warmup + steps + cuda_graph}",
+            f"data.val_samples={batch}",  # evaluation is not timed; keep it short anyway
+            f"data.num_samples={max(50_000, batch * (warmup + steps + 1))}",  # one epoch, no refill
             f"dist.backend={'nccl' if device.type == 'cuda' else 'gloo'}", f"seed={seed}", *extra]
 
 
