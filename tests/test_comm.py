@@ -4,12 +4,16 @@ References: `dist.all_reduce` (bitwise, on integer-valued data, which every summ
 exactly); a float64 sum of the same inputs (on random real data, where we must not lose more than
 a small multiple of what the native all-reduce loses); the message schedules and byte counts
 written out below from the documentation, independently of the implementation; `cost()`.
+The ring is checked twice: as it runs by default (one slice per chunk at these sizes) and cut
+into slices of a few elements (`ring.SLICE_BYTES` lowered in the child processes), so the
+pipelined path runs with many slices, uneven ones and empty ones.
 
 Every world size runs all its cases inside one process group: starting groups is the slow part.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -21,6 +25,8 @@ from ddp_lab import comm
 from spawn_helpers import spawn
 
 ALGOS = ("naive", "ring", "tree")
+# The ring's slicing (SLICE_BYTES, MIN_SLICE_BYTES) for a case; None: as it runs by default.
+SMALL_SLICES = (64, 32)  # many slices of 16 fp32 elements, uneven and sometimes empty
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 EPS = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53, torch.float16: 2.0 ** -11,
        torch.bfloat16: 2.0 ** -8}  # unit roundoff
@@ -41,19 +47,37 @@ def _gen(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash(key) % (2 ** 31))
 
 
+@contextlib.contextmanager
+def ring_slices(slicing: tuple[int, int] | None):
+    """The ring sliced with (SLICE_BYTES, MIN_SLICE_BYTES) = `slicing` inside the block."""
+    from ddp_lab.comm import ring
+
+    default = ring.SLICE_BYTES, ring.MIN_SLICE_BYTES
+    ring.SLICE_BYTES, ring.MIN_SLICE_BYTES = slicing or default
+    try:
+        yield
+    finally:
+        ring.SLICE_BYTES, ring.MIN_SLICE_BYTES = default
+
+
+# (algorithm, ring slicing): every algorithm as it runs, and the ring in small slices too
+CASES = [(a, None) for a in ALGOS] + [("ring", SMALL_SLICES)]
+
+
 def _numerics_group(rank: int, n: int) -> dict:
     """Every algorithm x dtype x shape on this group; returns the worst errors for the parent."""
     worst = {}
-    for ai, algo in enumerate(ALGOS):
+    for ai, (algo, slicing) in enumerate(CASES):
         for di, dtype in enumerate(DTYPES):
             for si, shape in enumerate(shapes(n)):
-                key = (algo, str(dtype), shape)
+                key = (algo, slicing, str(dtype), shape)
                 # Integer-valued data: exact in any summation order, so bitwise equal to native.
                 x = torch.randint(-8, 9, shape, generator=_gen(rank, ai, di, si)).to(dtype)
                 ref = x.clone()
                 dist.all_reduce(ref)
                 got = x.clone()
-                ret = comm.all_reduce(got, algo)
+                with ring_slices(slicing):
+                    ret = comm.all_reduce(got, algo)
                 assert ret is got, "all_reduce must work in place and return its argument"
                 assert got.dtype == dtype and got.shape == shape
                 assert torch.equal(got.view(BITS[dtype]), ref.view(BITS[dtype])), \
@@ -66,7 +90,8 @@ def _numerics_group(rank: int, n: int) -> dict:
                 dist.all_reduce(exact)
                 native = x.clone()
                 dist.all_reduce(native)
-                ours = comm.all_reduce(x.clone(), algo)
+                with ring_slices(slicing):
+                    ours = comm.all_reduce(x.clone(), algo)
                 if x.numel() == 0:
                     continue
                 err_native = (native.double() - exact).abs().max().item()
@@ -87,15 +112,18 @@ def _numerics_group(rank: int, n: int) -> dict:
 
 
 def _traces_group(rank: int, n: int) -> dict:
-    """The (step, op, peer, chunk) trace and bytes sent of each algorithm for a few sizes."""
+    """The (step, op, peer, chunk) trace and bytes sent of each algorithm for a few sizes; the
+    ring also in slices of 2 and 3 fp32 elements (uneven and empty slices), and in two slices
+    per chunk from the minimum rule alone."""
     out = {}
-    for algo in ALGOS:
+    more = [("ring", (8, 8)), ("ring", (12, 12)), ("ring", (1 << 20, 4))]
+    for algo, slicing in CASES[:-1] + more:
         for numel in sorted({1, max(n - 1, 1), 2 * n, 2 * n + 1, 1000}):
             x = torch.ones(numel)
-            with comm.recording(trace=True) as rec:
+            with comm.recording(trace=True) as rec, ring_slices(slicing):
                 comm.all_reduce(x, algo)
             assert torch.equal(x, torch.full((numel,), float(n)))
-            out[(algo, numel)] = (rec.events, rec.bytes_sent, rec.bytes_received)
+            out[(algo, slicing, numel)] = (rec.events, rec.bytes_sent, rec.bytes_received)
     return out
 
 
@@ -122,10 +150,10 @@ def _errors_and_groups(rank: int, n: int) -> dict:
     groups = [dist.new_group(list(range(p, n, 2))) for p in (0, 1)]
     mine = groups[rank % 2]
     members = list(range(rank % 2, n, 2))
-    for algo in ALGOS:
+    for algo, slicing in CASES:
         for numel in (1, 5, 33):
             x = torch.arange(numel, dtype=torch.float32) * (rank + 1)
-            with comm.recording(trace=True) as rec:
+            with comm.recording(trace=True) as rec, ring_slices(slicing):
                 comm.all_reduce(x, algo, group=mine)
             want = torch.arange(numel, dtype=torch.float32) * sum(m + 1 for m in members)
             assert torch.equal(x, want), (algo, numel, rank)
@@ -145,6 +173,21 @@ def split_sizes(numel: int, n: int) -> list[int]:
     return [numel // n + (1 if i < numel % n else 0) for i in range(n)]
 
 
+def ring_slice_sizes(numel: int, n: int, slicing: tuple[int, int] | None,
+                     elem: int = 4) -> list[list[int]]:
+    """Each chunk's slice sizes, from ring.py's docstring: every chunk is cut into the same number
+    m = ceil(|chunk 0| / SLICE_BYTES) of slices (at least 2 once |chunk 0| >= 2 MIN_SLICE_BYTES;
+    sizes in bytes), as tensor_split cuts."""
+    from ddp_lab.comm import ring
+
+    slice_bytes, min_bytes = slicing or (ring.SLICE_BYTES, ring.MIN_SLICE_BYTES)
+    sizes = split_sizes(numel, n)
+    m = math.ceil(sizes[0] * elem / slice_bytes)
+    if sizes[0] * elem >= 2 * min_bytes:
+        m = max(m, 2)
+    return [split_sizes(size, max(m, 1)) for size in sizes]
+
+
 def expected_naive(rank: int, n: int, numel: int):
     if rank == 0:
         return ([(0, "recv", p, None) for p in range(1, n)] +
@@ -152,21 +195,23 @@ def expected_naive(rank: int, n: int, numel: int):
     return [(0, "send", 0, None), (1, "recv", 0, None)]
 
 
-def expected_ring(rank: int, n: int, numel: int):
+def expected_ring(rank: int, n: int, numel: int, slicing: tuple[int, int] | None = None):
     """Simulated as a relay: at step 0 every rank sends its own chunk; from then on a rank sends
     on the chunk it received in the previous step; the chunk it received last in the
-    reduce-scatter is the one it owns fully, and starts the all-gather."""
-    sizes = split_sizes(numel, n)
+    reduce-scatter is the one it owns fully, and starts the all-gather. Every chunk goes as its
+    slices (chunk, k), k = 0 .. m-1, in order."""
+    slices = ring_slice_sizes(numel, n, slicing)
     sent = {r: r for r in range(n)}  # chunk each rank sends at the current step
     events = {r: [] for r in range(n)}
     for step in range(2 * (n - 1)):
         received = {r: sent[(r - 1) % n] for r in range(n)}  # from the left neighbour
         for r in range(n):
-            events[r].append((step, "send", (r + 1) % n, sent[r]))
-            events[r].append((step, "recv", (r - 1) % n, received[r]))
+            for k in range(len(slices[0])):
+                events[r].append((step, "send", (r + 1) % n, (sent[r], k)))
+                events[r].append((step, "recv", (r - 1) % n, (received[r], k)))
         sent = received
-    # Empty chunks (numel < N) are not transferred at all.
-    return [e for e in events[rank] if sizes[e[3]] > 0]
+    # Empty slices (of chunks of fewer elements than slices, or numel < N) are not transferred.
+    return [e for e in events[rank] if slices[e[3][0]][e[3][1]] > 0]
 
 
 def expected_tree(rank: int, n: int, numel: int):
@@ -206,27 +251,40 @@ def expected_bytes_sent(algo: str, rank: int, n: int, numel: int, elem: int = 4)
 
 
 def _key(e):
-    return (e[0], e[1], e[2], -1 if e[3] is None else e[3])
+    """Sortable events: chunk labels None, c and (c, k) all as tuples."""
+    label = e[3]
+    if not isinstance(label, tuple):
+        label = (-1,) if label is None else (label,)
+    return (e[0], e[1], e[2], label)
 
 
 def check_traces(traces: list[dict], n: int) -> None:
-    for (algo, numel), _ in traces[0].items():
+    for (algo, slicing, numel), _ in traces[0].items():
         c = comm.cost(algo, numel * 4, n)
         sent = []
         steps_used = set()
         for rank in range(n):
-            events, bytes_sent, bytes_received = traces[rank][(algo, numel)]
+            events, bytes_sent, bytes_received = traces[rank][(algo, slicing, numel)]
             assert [e[0] for e in events] == sorted(e[0] for e in events), \
                 f"{algo} rank {rank}: steps out of order: {events}"
-            want = expected_naive if n == 1 else EXPECTED[algo]
-            want = [] if n == 1 else sorted(want(rank, n, numel), key=_key)
-            assert sorted(events, key=_key) == want, \
-                f"{algo} N={n} numel={numel} rank {rank}:\n got  {events}\n want {want}"
+            if algo == "ring":  # within a step, slice by slice: (send k, recv k), then k + 1
+                for step in {e[0] for e in events}:
+                    ks = [e[3][1] for e in events if e[0] == step]
+                    assert ks == sorted(ks), f"ring step {step}: slices out of order: {events}"
+            if n == 1:
+                want = []
+            elif algo == "ring":
+                want = sorted(expected_ring(rank, n, numel, slicing), key=_key)
+            else:
+                want = sorted(EXPECTED[algo](rank, n, numel), key=_key)
+            assert sorted(events, key=_key) == want, (f"{algo} slicing={slicing} N={n} "
+                                                      f"numel={numel} rank {rank}:\n got  {events}"
+                                                      f"\n want {want}")
             assert bytes_sent == expected_bytes_sent(algo, rank, n, numel), (algo, numel, rank)
             sent.append(bytes_sent)
             steps_used |= {e[0] for e in events}
         assert sum(sent) == c.total_bytes, f"{algo} N={n} numel={numel}: {sent} vs {c}"
-        assert sum(t[(algo, numel)][2] for t in traces) == c.total_bytes  # received = sent
+        assert sum(t[(algo, slicing, numel)][2] for t in traces) == c.total_bytes  # recv = sent
         assert len(steps_used) == c.steps and (not steps_used or max(steps_used) == c.steps - 1)
         if algo == "ring" and numel % n:
             assert max(sent) <= c.bytes_per_rank + 2 * 4  # uneven chunks: within two elements
@@ -260,25 +318,27 @@ def test_expected_schedules_are_all_reduces():
     """The schedules written above, replayed on sets of contributors, do sum every rank's data
     into every rank: the expectations themselves are right."""
     for n in range(1, 9):
-        for numel in (1, n, 2 * n + 1):
-            # ring: chunk-wise contributor sets
-            sizes = split_sizes(numel, n)
-            hold = {r: [{r} for _ in range(n)] for r in range(n)}
+        for numel, slicing in ((1, None), (n, None), (2 * n + 1, None), (7 * n + 3, (8, 8)),
+                               (3 * n, (1 << 20, 4))):
+            # ring: slice-wise contributor sets
+            slices = ring_slice_sizes(numel, n, slicing)
+            hold = {r: {(c, k): {r} for c in range(n) for k in range(len(slices[0]))}
+                    for r in range(n)}
             for step in range(2 * (n - 1)):
                 msgs = []
                 for r in range(n):
-                    for e in expected_ring(r, n, numel):
+                    for e in expected_ring(r, n, numel, slicing):
                         if e[0] == step and e[1] == "send":
                             msgs.append((r, e[2], e[3], set(hold[r][e[3]])))
-                for src, dst, c, payload in msgs:
+                for src, dst, piece, payload in msgs:
                     if step < n - 1:
-                        hold[dst][c] |= payload
+                        hold[dst][piece] |= payload
                     else:
-                        hold[dst][c] = payload
+                        hold[dst][piece] = payload
             for r in range(n):
-                for c in range(n):
-                    if sizes[c]:
-                        assert hold[r][c] == set(range(n)), (n, numel, r, c, hold[r][c])
+                for (c, k), who in hold[r].items():
+                    if slices[c][k]:
+                        assert who == set(range(n)), (n, numel, r, c, k, who)
             # naive and tree: whole tensors; reduce steps add, broadcast steps overwrite
             L = math.ceil(math.log2(n)) if n > 1 else 0
             for algo, reduce_steps, steps in (("naive", 1, 2 if n > 1 else 0),
@@ -314,14 +374,14 @@ def _dead_peer(rank, n, algo):
 
     from ddp_lab.comm import p2p
 
-    exchange, armed = p2p.Channel.exchange, []
+    post, armed = p2p.Channel.post, []
 
-    def dying_exchange(self, step, sends=(), recvs=()):
+    def dying_post(self, step, sends=(), recvs=()):
         if armed and rank == 1 and step >= KILL_AT[algo]:
             os._exit(17)  # mid-collective: after its earlier steps, before this one
-        return exchange(self, step, sends, recvs)
+        return post(self, step, sends, recvs)
 
-    p2p.Channel.exchange = dying_exchange
+    p2p.Channel.post = dying_post
     comm.all_reduce(torch.ones(1000), algo)  # every connection up, all alive
     armed.append(True)
     if rank == 1:

@@ -1,12 +1,16 @@
 """The one point-to-point layer every algorithm goes through.
 
 An algorithm sees the group through a `Channel`: group ranks only (translated to global ranks with
-`dist.get_global_rank`), and one call, `exchange(step, sends, recvs)`, that posts all of this rank's
-sends and receives of one schedule step as a batch (`dist.batch_isend_irecv`: on NCCL a paired
-send+recv must be issued as one group or the ring deadlocks) and waits for them. Because every
-byte passes through `exchange`, it is where bytes are counted, where the schedule can be traced
-as (step, op, peer, chunk), and where a failed or timed-out transfer becomes one clear error that
-names the algorithm, the step and the peer.
+`dist.get_global_rank`), and one call, `post(step, sends, recvs)`, that posts this rank's sends and
+receives of one schedule step (or of one slice of it) as a batch (`dist.batch_isend_irecv`: on
+NCCL a paired send+recv must be issued as one group or the ring deadlocks) and returns a handle
+to `wait()` on; `exchange` is post-then-wait. Posting and waiting apart lets an algorithm compute
+while a transfer is in flight (the ring adds one slice while the next one arrives). Because every
+byte passes through `post`, it is where bytes are counted, where the schedule can be traced as
+(step, op, peer, chunk), and where a failed or timed-out transfer becomes one clear error that
+names the algorithm, the step and the peer (raised by `post` or by the handle's `wait`).
+The chunk label is the algorithm's: None for the whole tensor, c for chunk c, (c, k) for slice k
+of chunk c.
 
 Counting: `with recording() as rec:` collects, on this thread, every transfer made inside it
 (`rec.bytes_sent`, `rec.bytes_received`, `rec.messages`; `rec.trace` too with `trace=True`).
@@ -38,7 +42,7 @@ class Recorder:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages: int = 0  # sends posted
-    events: list[tuple[int, str, int, int | None]] = field(default_factory=list)
+    events: list[tuple[int, str, int, object]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_received = self.messages = 0
@@ -78,9 +82,13 @@ class Channel:
                         for r in range(self.size)]
 
     def exchange(self, step: int, sends=(), recvs=()) -> None:
-        """Post this rank's transfers of schedule step `step` and wait for all of them.
+        """Post this rank's transfers of schedule step `step` and wait for all of them."""
+        self.post(step, sends, recvs).wait()
 
-        sends / recvs: (peer group rank, tensor, chunk index or None for the whole tensor)."""
+    def post(self, step: int, sends=(), recvs=()) -> Pending:
+        """Post this rank's transfers of schedule step `step`; wait() on the result.
+
+        sends / recvs: (peer group rank, tensor, chunk label: None, c or (c, k))."""
         ops, what = [], []
         for kind, items, fn in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
             for peer, tensor, chunk in items:
@@ -90,7 +98,7 @@ class Channel:
                 ops.append(dist.P2POp(fn, tensor, peer=self._global[peer], group=self.group))
                 what.append((kind, peer, chunk, tensor.numel() * tensor.element_size()))
         if not ops:
-            return
+            return Pending(self, step, [], [])
         for rec in _recorders():
             for kind, peer, chunk, nbytes in what:
                 if kind == "send":
@@ -104,21 +112,42 @@ class Channel:
             works = dist.batch_isend_irecv(ops)
         except Exception as e:  # noqa: BLE001 - re-raised with the schedule position
             raise self._error(step, what, e) from e
-        # gloo returns one work per op (so a failure names its peer); NCCL may coalesce the batch
-        # into one work, and the failure then names every transfer of the step.
-        for i, work in enumerate(works):
-            try:
-                work.wait()  # gloo: blocks, up to the group's timeout; NCCL: the stream waits
-            except Exception as e:  # noqa: BLE001
-                raise self._error(step, [what[i]] if len(works) == len(what) else what, e) from e
+        return Pending(self, step, what, works)
 
     def _error(self, step: int, what, cause: Exception) -> CommError:
         desc = ", ".join(
             f"{kind} {'to' if kind == 'send' else 'from'} rank {peer} (global {self._global[peer]})"
-            + (f" of chunk {chunk}" if chunk is not None else "")
-            for kind, peer, chunk, _ in what)
+            + _piece(chunk) for kind, peer, chunk, _ in what)
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return CommError(
             f"{self.algo} all-reduce failed at step {step} on rank {self.rank} "
             f"(global {self._global[self.rank]}) of {self.size}: {desc} did not complete: {first}. "
             f"A peer process probably died or the process group timed out.")
+
+
+def _piece(chunk) -> str:
+    if chunk is None:
+        return ""
+    if isinstance(chunk, tuple):
+        return f" of slice {chunk[1]} of chunk {chunk[0]}"
+    return f" of chunk {chunk}"
+
+
+@dataclass
+class Pending:
+    """Transfers posted by `Channel.post`, not yet waited for."""
+
+    channel: Channel
+    step: int
+    what: list  # (kind, peer, chunk, nbytes) per transfer
+    works: list
+
+    def wait(self) -> None:
+        # gloo returns one work per op (so a failure names its peer); NCCL may coalesce the batch
+        # into one work, and the failure then names every transfer of the step.
+        for i, work in enumerate(self.works):
+            try:
+                work.wait()  # gloo: blocks, up to the group's timeout; NCCL: the stream waits
+            except Exception as e:  # noqa: BLE001
+                one = len(self.works) == len(self.what)
+                raise self.channel._error(self.step, [self.what[i]] if one else self.what, e) from e

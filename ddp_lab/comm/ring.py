@@ -1,41 +1,101 @@
-"""ring all-reduce: chunked reduce-scatter, then all-gather (bandwidth-optimal).
+"""ring all-reduce: chunked reduce-scatter, then all-gather (bandwidth-optimal), pipelined.
 
 The tensor is cut into N chunks with `torch.tensor_split` (sizes differ by at most one element;
-some are empty when numel < N). Rank r sends to right = r+1 and receives from left = r-1 (mod N);
-each step's send and receive are posted together (`batch_isend_irecv`).
+some are empty when numel < N). Rank r sends to right = r+1 and receives from left = r-1 (mod N).
 
-Schedule, all indices mod N:
-    reduce-scatter, step s = 0 .. N-2:
-        send chunk (r - s)     to   r+1
-        recv chunk (r - s - 1) from r-1, added into the local chunk
-        -> after N-1 steps rank r holds the full sum of chunk (r + 1)
-    all-gather, step s = N-1 .. 2N-3 (t = s - (N-1)):
-        send chunk (r + 1 - t) to   r+1
-        recv chunk (r - t)     from r-1, copied into place
+Schedule, all indices mod N, step s = 0 .. 2N-3:
+    send chunk (r - s)     to   r+1
+    recv chunk (r - s - 1) from r-1
+    reduce-scatter, s = 0 .. N-2: the chunk comes into scratch and is added into the local one
+        -> after N-1 steps rank r holds the full sum of chunk (r + 1), which it sends next
+    all-gather, s = N-1 .. 2N-3: the chunk is a full sum: received straight into place
+(the all-gather's step t = s - (N-1) sends chunk (r + 1 - t) and receives chunk (r - t)).
+
+Pipelining: every chunk is cut, again with tensor_split, into the same number m of slices, and
+each step moves its chunks slice by slice, k = 0 .. m-1, one step after the other. Slice k's send
+and receive are posted together (one `batch_isend_irecv`: on NCCL a paired send+recv must be one
+group); only then is the slice posted before it waited for and, in the reduce-scatter, added
+(two scratch slices, alternating). So one slice is in flight while the one before is added,
+across step boundaries too: slice k of step s+1 sends what slice k of step s received, which has
+landed by then when m >= 2. With m = 1 a step sends what the one before is still receiving, so
+each slice lands before the next is posted (the ring without pipelining).
+m = ceil(|chunk 0| / SLICE_BYTES), but at least 2 once |chunk 0| >= 2 * MIN_SLICE_BYTES (sizes in
+bytes). Both ends of a transfer cut the same chunk, so they agree on its slices.
+Traced as (step, op, peer, (chunk, slice)); empty slices are not sent.
+
 Cost: 2(N-1) steps; rank r sends every chunk but (r+1) in the reduce-scatter and every chunk but
 (r+2) in the all-gather: 2S - |chunk r+1| - |chunk r+2| bytes, which is 2(N-1)S/N when N divides
 the element count (`cost("ring", S, N)`) and never more than that plus two elements. Each chunk is
-sent N-1 times in each phase, so the total is exactly 2(N-1)S.
+sent N-1 times in each phase, so the total is exactly 2(N-1)S. Slices change the number of
+messages (m per step), not the bytes.
+
+Scratch: two slices. On CPU one pair per thread and dtype is kept across calls: a fresh buffer
+per call paid a page fault per 4 KiB on first touch, a quarter of the ring's CPU time at 64 MiB
+(docs/results/cpu-ring-vs-native). On CUDA it is allocated per call: the caching allocator makes
+that cheap, and it stays safe whatever stream the next call runs on.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from ddp_lab.comm.p2p import Channel
 
+SLICE_BYTES = 4 << 20  # largest slice: gloo pays per message, so not smaller (measured)
+MIN_SLICE_BYTES = 128 << 10  # below this a second message costs more than the overlap gains
+_cpu_scratch = threading.local()  # per thread: the sync's communication thread has its own
+
 
 def all_reduce_ring(flat: torch.Tensor, ch: Channel) -> None:
     n, r = ch.size, ch.rank
     right, left = (r + 1) % n, (r - 1) % n
-    chunks = torch.tensor_split(flat, n)
-    scratch = torch.empty_like(chunks[0])  # tensor_split puts the largest chunks first
-    for s in range(n - 1):
+    chunks = torch.tensor_split(flat, n)  # the largest first
+    m = slices_per_chunk(chunks[0].numel(), flat.element_size())
+    bufs = _scratch(-(-chunks[0].numel() // m), flat)  # two, each of the largest slice
+    pending, i = None, 0  # the slice in flight; slices posted so far (alternates the scratch)
+    for s in range(2 * (n - 1)):
+        reduce = s < n - 1
         send_c, recv_c = (r - s) % n, (r - s - 1) % n
-        buf = scratch[:chunks[recv_c].numel()]
-        ch.exchange(s, sends=[(right, chunks[send_c], send_c)], recvs=[(left, buf, recv_c)])
-        chunks[recv_c].add_(buf)
-    for t in range(n - 1):
-        send_c, recv_c = (r + 1 - t) % n, (r - t) % n
-        ch.exchange(n - 1 + t, sends=[(right, chunks[send_c], send_c)],
-                    recvs=[(left, chunks[recv_c], recv_c)])
+        sends, recvs = _cut(chunks[send_c], m), _cut(chunks[recv_c], m)
+        for k in range(m):
+            into = bufs[i % 2][:recvs[k].numel()] if reduce else recvs[k]
+            posted = ch.post(s, sends=[(right, sends[k], (send_c, k))],
+                             recvs=[(left, into, (recv_c, k))])
+            if pending is not None:
+                _land(*pending)
+            pending, i = (posted, recvs[k], into if reduce else None), i + 1
+            if m == 1:  # the next step sends this very slice: it must land first
+                _land(*pending)
+                pending = None
+    if pending is not None:
+        _land(*pending)
+
+
+def slices_per_chunk(numel: int, element_size: int) -> int:
+    """m for a largest chunk of `numel` elements: slices of at most SLICE_BYTES, and at least two
+    (something to overlap) once each of them still holds MIN_SLICE_BYTES."""
+    nbytes = numel * element_size
+    return max(-(-nbytes // SLICE_BYTES), 2 if nbytes >= 2 * MIN_SLICE_BYTES else 1)
+
+
+def _land(posted, dst: torch.Tensor, scratch) -> None:
+    """Wait for a slice; in the reduce-scatter (it came into scratch), add it."""
+    posted.wait()
+    if scratch is not None:
+        dst.add_(scratch)
+
+
+def _cut(chunk: torch.Tensor, m: int):
+    return (chunk,) if m == 1 else torch.tensor_split(chunk, m)
+
+
+def _scratch(numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if like.device.type != "cpu":
+        return tuple(torch.empty(2, numel, dtype=like.dtype, device=like.device))
+    kept = _cpu_scratch.__dict__.setdefault("by_dtype", {})
+    pair = kept.get(like.dtype)
+    if pair is None or pair[0].numel() < numel:
+        pair = kept[like.dtype] = tuple(torch.empty(2, numel, dtype=like.dtype))
+    return pair
