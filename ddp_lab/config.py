@@ -126,6 +126,10 @@ class TrainConfig:
     # check: its read pass costs ~3.5% of a graphed AlexNet-CIFAR step; checkpoints still refuse NaN)
     nonfinite: str = "skip"
     consistency_every: int = 100  # steps between cross-rank parameter checksums; 0: never
+    # Record a timeline of train.trace_steps consecutive steps after the timing warm-up on every
+    # rank: trace.json (Perfetto), timeline.png and summary.json's overlap block (ddp_lab/trace.py).
+    trace: bool = False
+    trace_steps: int = 3
 
 
 @dataclass
@@ -180,7 +184,7 @@ CHOICES = {
     "fault.nan_value": ("nan", "inf"),
 }
 
-POSITIVE = ("train.batch_size", "train.accum_steps", "train.log_every",
+POSITIVE = ("train.batch_size", "train.accum_steps", "train.log_every", "train.trace_steps",
             "model.image_size", "data.image_size",
             "data.num_classes", "data.num_samples", "data.val_samples", "data.pool_size",
             "dist.timeout_s", "optim.lr", "optim.eps", "precision.init_scale",
@@ -218,6 +222,7 @@ SCOPED = {
     "optim.eps": ("optim.name", ("adamw",)),
     "optim.min_lr_ratio": ("optim.schedule", ("cosine",)),
     "train.compile_mode": ("train.compile", (True,)),
+    "train.trace_steps": ("train.trace", (True,)),
 }
 # precision.name -> the autocast_dtype it means, and the tf32 it means (None: either, for the ops
 # autocast leaves in fp32)

@@ -80,7 +80,8 @@ class Guard:
         norms = torch._foreach_norm([loss, *(p.grad for p in self.params if p.grad is not None)],
                                     1, dtype=torch.float32)
         if self.info.world_size == 1:
-            found = torch.zeros(1, device=loss.device)  # made in the step: a graph replays it
+            # Made in the step (a graph replays it); a scalar, as fused AdamW's step counts are.
+            found = torch.zeros((), device=loss.device)
             self._flag_non_finite(norms, found)
             detail = loss  # which one it was is worked out on the host, for a flagged step only
         else:

@@ -30,7 +30,7 @@ class StepTimer:
         self.cuda = device.type == "cuda"
         self.warmup = warmup
         self.steps: list[dict[str, float]] = []  # resolved, timed steps only
-        self._pending: list[tuple[list, dict]] = []  # (marks, notes) of steps not yet read
+        self._pending: list[tuple[list, dict, bool]] = []  # (marks, notes, kept) not yet read
         self._marks: list[tuple[str, object]] = []
         self._notes: dict[str, float] = {}
         self._seen = 0
@@ -57,19 +57,24 @@ class StepTimer:
         if not math.isnan(value):
             self._notes[key] = value
 
-    def end_step(self) -> None:
+    def end_step(self, keep: bool = False) -> list:
+        """End the step; returns its marks [(phase, stamp)]. `keep`: the caller keeps them (the
+        tracer), so their CUDA events are never recorded again."""
         marks = self._marks
         if len(marks) == 1:
             marks.append(("step", self._now()))  # no phases: the step's total only
         self._seen += 1
         if self._seen > self.warmup:
-            self._pending.append((marks, self._notes))
-        self._marks, self._notes = [("start", marks[-1][1])], {}  # the next step starts here
+            self._pending.append((marks, self._notes, keep))
+        # The next step starts here: on its own event if this step's are kept (never recycled).
+        start = self._now() if keep and self.cuda else marks[-1][1]
+        self._marks, self._notes = [("start", start)], {}
         self._resolve(block=False)
+        return marks
 
     def _resolve(self, block: bool) -> None:
         while self._pending:
-            marks, notes = self._pending[0]
+            marks, notes, kept = self._pending[0]
             if self.cuda:
                 if block:
                     marks[-1][1].synchronize()
@@ -84,7 +89,7 @@ class StepTimer:
             parts["step"] = sum(parts.values())
             self.steps.append({**parts, **notes})
             self._pending.pop(0)
-            if self.cuda:  # all but the last, which starts the next step
+            if self.cuda and not kept:  # all but the last, which starts the next step
                 self._free.extend(ev for _, ev in marks[:-1])
 
     def window(self) -> list[dict[str, float]]:

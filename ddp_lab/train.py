@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddp_lab import checkpoint, provenance
+from ddp_lab import checkpoint, provenance, trace
 from ddp_lab.cli import run_hydra_app, setup_logging
-from ddp_lab.config import Config, ConfigError, validate
+from ddp_lab.config import Config, ConfigError, check_steps_reachable, validate
 from ddp_lab.data import Data, build_data
 from ddp_lab.dist import DistInfo, Heartbeat, collective_errors, destroy_group, init_group
 from ddp_lab.fault import Faults
@@ -45,6 +45,7 @@ from ddp_lab.models import build_model
 from ddp_lab.optim import build_optimizer, build_scheduler, float_lrs
 from ddp_lab.precision import Precision, setup_precision
 from ddp_lab.sync import GradSync, build_sync
+from ddp_lab.trace import Tracer
 
 log = logging.getLogger("ddp_lab")
 
@@ -116,6 +117,7 @@ class Run:
     timer: StepTimer
     guard: Guard = None
     faults: Faults = None
+    tracer: Tracer | None = None  # train.trace: a timeline of a few steps
     start_step: int = 0  # the checkpoint's step when resuming
     local_backward_ms: float | None = None  # backward without communication (calibrated)
     compiled_before: int = 0  # graphs torch.compile had made before this run
@@ -143,6 +145,7 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     precision = setup_precision(cfg.precision, device, tcfg.cudnn_benchmark)
     sync = build_sync(cfg.sync, info)
     closing.callback(sync.close)  # its communication thread stops before the group does
+    sync.tracer = Tracer(device) if tcfg.trace else None  # (DDP's hook is installed in prepare)
     compiled_before = compiled_graphs()
     train_model = sync.prepare(model)  # the model with our hooks installed, or DDP's wrapper
     if tcfg.compile:
@@ -150,6 +153,7 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     optimizer = build_optimizer(cfg.optim, model.parameters(), device)
     steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
     total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
+    check_steps_reachable(cfg, total_steps, f"{tcfg.epochs} epochs of {steps_per_epoch} steps")
     logger = make_logger(run_dir, info.is_main)
     closing.callback(logger.close)
     run = Run(cfg, cfg_dict, run_dir, info, data, model, train_model, sync, optimizer,
@@ -164,6 +168,10 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
             log.warning("removed stale temporary %s", stale)
     if resumed is not None:
         restore(run, resumed)
+    if sync.tracer is not None:  # the steps right after the timing warm-up
+        run.tracer = sync.tracer
+        run.tracer.first = run.start_step + run.timer.warmup + 1
+        run.tracer.last = min(run.stop_step, run.tracer.first + tcfg.trace_steps - 1)
     run.faults = Faults(cfg.fault, info.rank, info.world_size, model)
     run.guard = Guard(tcfg, info, model, precision.scaler, total_steps)
     if tcfg.calibrate_steps:
@@ -271,13 +279,16 @@ def loop(run: Run) -> None:
     for step in range(run.start_step + 1, run.stop_step + 1):
         run.faults.on_step(step)  # fault.* injection (tests, demos); off by default
         run.heartbeat.beat(step)  # (after it: a rank that hangs there never began the step)
+        tracing = run.tracer is not None and run.tracer.begin_step(step)
         batch = next(batches)
         run.timer.mark("data")
         step_fn(step, batch, run.timer.mark)
         run.scheduler.step()
         run.timer.mark(last_phase)
         run.timer.note("comm_busy", run.sync.comm_busy_ms())  # NaN where it cannot measure it
-        run.timer.end_step()
+        marks = run.timer.end_step(keep=tracing)
+        if tracing:
+            run.tracer.marks(marks)
         bar.update(1)
         if after_step(run, step, bar):
             run.timer.restart()  # that work's time is not step time
@@ -321,8 +332,9 @@ def train_step(run: Run, step: int, batches: list, mark: Callable[[str], None]) 
             mark("backward")
         run.loss_sum.add_(loss.detach())
     run.sync.finish()  # gradients averaged over ranks from here on
-    run.guard.after_sync(step, loss, run.optimizer)  # inf/NaN: skip on every rank, or stop
     mark("comm")
+    run.guard.after_sync(step, loss, run.optimizer)  # inf/NaN: skip on every rank, or stop
+    mark("guard")
     if run.cfg.optim.grad_clip > 0:
         run.precision.scaler.unscale_(run.optimizer)
         torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.optim.grad_clip)
@@ -441,6 +453,11 @@ def write_summary(run: Run) -> dict:
         "compiled_graphs": compiled_graphs() - run.compiled_before,
         **run.guard.summary(),
     }
+    if run.tracer is not None:  # collective
+        if run.tracer.first > run.stop_step:
+            log.warning("train.trace: the run ends before step %d, the first after the timing "
+                        "warm-up: nothing traced", run.tracer.first)
+        summary["overlap"] = trace.write(run.tracer, run.run_dir, info.is_main)
     if info.device.type == "cuda":
         summary["max_memory_allocated_GiB"] = torch.cuda.max_memory_allocated(info.device) / 2**30
     if info.is_main:

@@ -130,6 +130,30 @@ def test_stop_policy_raises_at_the_sync_point_naming_the_step():
         guard.end_step(3, sync_point=True)
 
 
+@pytest.mark.parametrize("poison", [None, "grad"])
+def test_fused_adamw_applies_a_finite_step_and_skips_a_flagged_one_on_the_device(poison):
+    """One rank's verdict is a scalar, like fused AdamW's step counts (a [1] flag made its
+    found_inf arithmetic fail); a flagged step changes neither the weights nor the moments."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    tcfg = SimpleNamespace(nonfinite="skip", consistency_every=0)
+    guard = Guard(tcfg, SimpleNamespace(rank=0, world_size=1), model,
+                  torch.amp.GradScaler("cpu", enabled=False), total_steps=10)
+    backward(model)
+    opt.step()  # the first step makes the moments
+    opt.zero_grad()
+    before = [t.clone() for t in model.parameters()] + [
+        v.clone() for s in opt.state.values() for v in s.values()]
+    guard.after_sync(2, backward(model, poison), opt)
+    assert opt.found_inf is not None
+    opt.step()
+    after = list(model.parameters()) + [v for s in opt.state.values() for v in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) == (poison is not None)
+    guard.end_step(2, sync_point=True)
+    assert guard.skipped == ([] if poison is None else [2])
+
+
 def test_sgd_without_momentum_skips_on_the_device_from_the_first_step():
     """No momentum: no optimizer state to be made, so even step 1 needs no host decision."""
     torch.manual_seed(0)

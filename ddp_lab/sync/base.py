@@ -16,6 +16,10 @@ from torch import nn
 
 class GradSync:
     name = "base"
+    tracer = None  # train.trace: a ddp_lab.trace.Tracer the sync stamps its communication into
+
+    def _tracing(self) -> bool:
+        return self.tracer is not None and self.tracer.step is not None
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Make replicas equal (broadcast from rank 0) and install hooks; return the module to call."""

@@ -162,6 +162,8 @@ class BucketedSync(GradSync):
         self._ready_params.add(id(p))
         b = self._bucket_of[p]
         self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b].params) and self._tracing():
+            self.tracer.instant("compute", "bucket_ready", self.tracer.stamp(), bucket=b)
         # Launch strictly in bucket order, so every rank issues the same sequence of all-reduces.
         while (self._launched < len(self.buckets)
                and self._ready[self._launched] == len(self.buckets[self._launched].params)):
@@ -183,6 +185,10 @@ class BucketedSync(GradSync):
         for p in self.params:  # no gradient this step (unused parameter): it contributes zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # on the training stream, see the module docstring
+        if not self.overlap and self._tracing():  # (no hooks: every bucket is ready now)
+            now = self.tracer.stamp()
+            for b in range(len(self.buckets)):
+                self.tracer.instant("compute", "bucket_ready", now, bucket=b)
         try:
             if self.overlap:
                 event = self._ready_event()
@@ -217,9 +223,13 @@ class BucketedSync(GradSync):
                     end.record()
                     self._busy_events.append((start, end))
                 else:
-                    t0 = time.perf_counter()
+                    start = time.perf_counter()
                     comm.all_reduce(bucket.buffer, self.algo, self.group)
-                    self._busy_s += time.perf_counter() - t0
+                    end = time.perf_counter()
+                    self._busy_s += end - start
+            if self._tracing():  # the same stamps as the busy time: the two agree exactly
+                self.tracer.span("comm", "allreduce", start, end, bucket=b, bytes=bucket.nbytes,
+                                 algo=self.algo)
             for p, view in zip(bucket.params, bucket.views):
                 if self.comm_dtype is None and n > 1:
                     torch.div(view, n, out=p.grad)  # SUM then divide, fused into the unpack

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lab.sync.base import GradSync
@@ -37,6 +38,31 @@ def compress_hook(dtype: torch.dtype):
     return hook
 
 
+def timed_hook(hook, tracer):
+    """`hook` with its buckets stamped into `tracer` during traced steps: `bucket_ready` when DDP
+    hands the bucket over (its gradients are all there), `allreduce` from launching the bucket's
+    all-reduce to its future's callback. On gloo the callback runs when the collective has
+    finished; on NCCL it is ordered after the collective on the stream, where its CUDA event is
+    recorded. Either way the span bounds the collective from outside: it includes the time a
+    bucket waited behind the ones launched before it."""
+
+    def traced(process_group, bucket):
+        if tracer.step is None:
+            return hook(process_group, bucket)
+        index, buffer = bucket.index(), bucket.buffer()
+        start = tracer.stamp()
+        tracer.instant("compute", "bucket_ready", start, bucket=index)
+
+        def done(fut):
+            tracer.span("comm", "allreduce", start, tracer.stamp(), bucket=index,
+                        bytes=buffer.numel() * buffer.element_size(), algo="ddp")
+            return fut.value()
+
+        return hook(process_group, bucket).then(done)
+
+    return traced
+
+
 class DDPSync(GradSync):
     name = "ddp"
 
@@ -52,9 +78,14 @@ class DDPSync(GradSync):
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
         )
+        hook = None
         if self.cfg.comm_dtype in COMPRESS_DTYPES:
             # Divide by the world size, then cast down, then sum: see compress_hook.
-            self.ddp.register_comm_hook(None, compress_hook(COMPRESS_DTYPES[self.cfg.comm_dtype]))
+            hook = compress_hook(COMPRESS_DTYPES[self.cfg.comm_dtype])
+        if self.tracer is not None:
+            hook = timed_hook(hook or default_hooks.allreduce_hook, self.tracer)
+        if hook is not None:
+            self.ddp.register_comm_hook(None, hook)
         return self.ddp
 
     def no_sync(self):
