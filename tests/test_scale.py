@@ -257,3 +257,23 @@ def test_simulation_entry_point(together):
     assert os.path.getsize(run_dir / "simulation.png") > 0
     for needle in ("naive falls below 50%", "best bucket", "Sanity", "tree < ring below"):
         assert needle in proc.stdout
+
+
+def test_the_report_shows_the_largest_world_sizes_timelines(tmp_path):
+    """Points run with train.trace=true keep trace.json and timeline.png; report.md shows the
+    timelines of the largest world size, with their overlap figures."""
+    from ddp_lab.scale.outputs import timelines
+
+    ok = [{"point": "n1-ring", "world_size": 1}, {"point": "n2-ring", "world_size": 2},
+          {"point": "n2-ddp", "world_size": 2}]
+    for name in ("n1-ring", "n2-ring"):  # n2-ddp was not traced
+        (tmp_path / "points" / name).mkdir(parents=True)
+        (tmp_path / "points" / name / "timeline.png").write_bytes(b"png")
+        (tmp_path / "points" / name / "summary.json").write_text(json.dumps(
+            {"overlap": {"steps": [4, 5], "comm_busy_ms": 10.0, "exposed_comm_ms": 2.5,
+                         "overlap_fraction": 0.75}}))
+    text = "\n".join(timelines(ok, str(tmp_path)))
+    assert "![n2-ring timeline](points/n2-ring/timeline.png)" in text
+    assert "n1-ring" not in text and "n2-ddp" not in text
+    assert "overlap_fraction 0.75" in text and "points/n2-ring/trace.json" in text
+    assert timelines(ok[:1] + ok[2:], str(tmp_path)) == []  # nothing traced at N=2: no section

@@ -204,6 +204,7 @@ def report(rows: list[dict], fits: dict, man: dict, out_dir: str, extra: str = "
     if failed:
         lines += ["## Points that did not run", "",
                   md_table(failed, ["point", "status", "error"]), ""]
+    lines += timelines(ok, out_dir)
     lines += ["## How to read this", "", *HOW_TO_READ, ""]
     if extra:
         lines += [extra, ""]
@@ -211,6 +212,26 @@ def report(rows: list[dict], fits: dict, man: dict, out_dir: str, extra: str = "
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return path
+
+
+def timelines(ok: list[dict], out_dir: str) -> list[str]:
+    """report.md lines: the traced timelines (train.trace=true) of the largest world size's
+    points, each with its overlap figures (ddp_lab/trace.py)."""
+    largest = max((r["world_size"] for r in ok), default=0)
+    lines = []
+    for r in ok:
+        path = os.path.join("points", r["point"], "timeline.png")
+        if r["world_size"] != largest or not os.path.exists(os.path.join(out_dir, path)):
+            continue
+        with open(os.path.join(out_dir, "points", r["point"], "summary.json")) as f:
+            block = json.load(f).get("overlap") or {}
+        figures = ", ".join(f"{k} {_fmt(block[k])}" for k in
+                            ("comm_busy_ms", "exposed_comm_ms", "overlap_fraction") if k in block)
+        trace = os.path.join("points", r["point"], "trace.json")
+        lines += [f"### {r['point']}", "", f"![{r['point']} timeline]({path})", "",
+                  f"Traced steps {block.get('steps')}: {figures}; `{trace}` opens in "
+                  "https://ui.perfetto.dev.", ""]
+    return ["## Timelines (largest world size)", "", *lines] if lines else []
 
 
 def console_table(rows: list[dict], columns: list[str]) -> str:
