@@ -99,13 +99,10 @@ def _bucketed_cases(rank, n):
                 want = make_model(seed=0)  # rank 0's initial parameters
                 for p, q in zip(model.parameters(), want.parameters()):
                     assert torch.equal(p, q), "prepare() must broadcast rank 0's parameters"
-                if n == 1:  # alone there is nothing to average, so nothing is packed
-                    assert sync.buckets == [] and sync._hooks == []
-                else:
-                    assert len(sync.buckets) >= 3, "the test wants several buckets"
-                    # reverse parameter order, and every parameter in exactly one bucket
-                    order = [id(p) for b in sync.buckets for p in b.params]
-                    assert order == [id(p) for p in reversed(list(model.parameters()))]
+                assert len(sync.buckets) >= 3, "the test wants several buckets"
+                # reverse parameter order, and every parameter in exactly one bucket
+                order = [id(p) for b in sync.buckets for p in b.params]
+                assert order == [id(p) for p in reversed(list(model.parameters()))]
                 for step, accum in ((0, 1), (1, 3)):
                     forward_backward(model, sync, rank, step, accum)
                     sync.finish()
@@ -247,7 +244,7 @@ def _comm_thread_error(rank, n):
 
 @pytest.mark.timeout(30)
 def test_a_failure_in_the_comm_thread_is_raised_by_finish():
-    assert spawn(_comm_thread_error, 2, timeout=25) == [True, True]  # (alone: no thread)
+    assert spawn(_comm_thread_error, 1, timeout=25) == [True]
 
 
 def test_sync_configs_compose():

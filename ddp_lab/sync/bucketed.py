@@ -33,10 +33,6 @@ overlap=true
 accumulation
     Under no_sync() the hooks do nothing; only the last micro-step's backward communicates.
 
-world size 1
-    Nothing to average: no buckets, no hooks, no thread, nothing packed or cast; finish() only
-    gives a parameter without a gradient a zero one, as at every other world size.
-
 comm_dtype=bf16|fp16
     Each gradient is divided by the world size in its own precision and only then cast into the
     bucket (so an fp16 sum cannot overflow where the average would not), summed in the low
@@ -110,10 +106,9 @@ class BucketedSync(GradSync):
                 dist.broadcast(t.detach(), src=dist.get_global_rank(self.group, 0)
                                if self.group is not None else 0, group=self.group)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # Alone there is nothing to average: no buckets, no hooks, no thread (see the module).
-        self.buckets = self._build_buckets(self.params) if self.world_size > 1 else []
+        self.buckets = self._build_buckets(self.params)
         self._bucket_of = {p: b.index for b in self.buckets for p in b.params}
-        if self.overlap and self.buckets:
+        if self.overlap:
             self._worker = _CommThread(self._reduce_bucket, self.device)
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                            for p in self.params]
@@ -185,11 +180,11 @@ class BucketedSync(GradSync):
         return ev
 
     def finish(self) -> None:
+        if not self.buckets:
+            return
         for p in self.params:  # no gradient this step (unused parameter): it contributes zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # on the training stream, see the module docstring
-        if not self.buckets:
-            return
         if not self.overlap and self._tracing():  # (no hooks: every bucket is ready now)
             now = self.tracer.stamp()
             for b in range(len(self.buckets)):
