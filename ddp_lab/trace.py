@@ -153,7 +153,7 @@ def overlap(events: list[dict]) -> dict:
       wait_ms          the `wait` span: the training thread waiting in the sync's finish();
       exposed_comm_ms  from the last bucket_ready to the end of the wait: communication no
                        computation hid (DDP waits inside backward, so there it ends backward);
-      overlap_fraction 1 - exposed / busy;
+      overlap_fraction 1 - exposed / busy, at least 0;
     and per bucket the delay from bucket_ready to its all-reduce's start."""
     by_rank: dict[int, dict[int, list]] = {}
     for e in events:
@@ -168,7 +168,8 @@ def overlap(events: list[dict]) -> dict:
     block = {"steps": sorted(by_rank[min(by_rank)]),
              **{k: med(rank0, k) for k in ("comm_busy_ms", "wait_ms", "exposed_comm_ms")}}
     busy = block["comm_busy_ms"]
-    block["overlap_fraction"] = 1 - block["exposed_comm_ms"] / busy if busy > 0 else None
+    # (exposed can exceed busy by backward's tail after the last gradient: then nothing was hidden)
+    block["overlap_fraction"] = max(0.0, 1 - block["exposed_comm_ms"] / busy) if busy > 0 else None
     delays: dict[int, list[float]] = {}
     for row in rank0:
         for b, d in row["ready_to_start_ms"].items():
