@@ -44,7 +44,7 @@ import torch
 from ddp_lab.comm.p2p import Channel
 
 SLICE_BYTES = 4 << 20  # largest slice: gloo pays per message, so not smaller (measured)
-MIN_SLICE_BYTES = 128 << 10  # below this a second message costs more than the overlap gains
+MIN_SLICE_BYTES = 1 << 20  # smaller slices: a second message cost more than the overlap gave
 _cpu_scratch = threading.local()  # per thread: the sync's communication thread has its own
 
 
