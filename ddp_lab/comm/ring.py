@@ -30,7 +30,7 @@ sent N-1 times in each phase, so the total is exactly 2(N-1)S. Slices change the
 messages (m per step), not the bytes.
 
 Scratch: two slices. On CPU one pair per thread and dtype is kept across calls: a fresh buffer
-per call paid a page fault per 4 KiB on first touch, a quarter of the ring's CPU time at 64 MiB
+per call paid a page fault per 4 KiB on first touch, a large share of the ring's CPU time
 (docs/results/cpu-ring-vs-native). On CUDA it is allocated per call: the caching allocator makes
 that cheap, and it stays safe whatever stream the next call runs on.
 """
