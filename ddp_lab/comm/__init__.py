@@ -1,14 +1,23 @@
-"""Our collectives, written on point-to-point send/recv: one public call, `all_reduce`.
+"""Our collectives, written on point-to-point send/recv: `all_reduce`, and its two halves
+`reduce_scatter` and `all_gather` (what ZeRO runs on: ddp_lab/sync/zero.py).
 
     from ddp_lab import comm
-    comm.all_reduce(tensor, "ring")            # in place, SUM over the (default) group
-    comm.cost("ring", nbytes, world_size)      # the analytic cost, as data
+    comm.all_reduce(tensor, "ring")                 # in place, SUM over the (default) group
+    comm.reduce_scatter(tensor, shard, "ring")      # shard = rank r's piece of the sum
+    comm.all_gather(shard, tensor, "ring")          # every rank's shard, in rank order
+    comm.cost("ring", nbytes, world_size)           # the analytic cost, as data (op=...)
+
+Shards are what `torch.tensor_split(tensor.view(-1), N)` makes (`comm.shard`): sizes differ by at
+most one element, the larger first, and rank r's is piece r.
 
 Algorithms (each module documents its message schedule and cost):
     naive   ddp_lab/comm/naive.py   everything through rank 0: 2 rounds, 2(N-1)S through rank 0
     ring    ddp_lab/comm/ring.py    chunked reduce-scatter + all-gather: 2(N-1) steps, 2(N-1)S/N per rank
     tree    ddp_lab/comm/tree.py    binomial reduce + broadcast: 2*ceil(log2 N) steps, any N
     native  the backend's own dist.all_reduce: the reference the others are checked against
+            (reduce-scatter / all-gather: dist.reduce_scatter_single / all_gather_single where
+            the shards are equal; uneven shards, which they refuse: all-reduce then slice, and
+            an all-gather of padded shards)
 All of them go through ddp_lab/comm/p2p.py, which counts the bytes, can trace the schedule and
 turns a dead peer or a timeout into a `CommError` naming the algorithm, step and peer.
 """
@@ -19,12 +28,15 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab.comm.cost import Cost, bus_bandwidth, cost
-from ddp_lab.comm.naive import all_reduce_naive
+from ddp_lab.comm import naive, ring, tree
 from ddp_lab.comm.p2p import Channel, CommError, Recorder, recording
-from ddp_lab.comm.ring import all_reduce_ring
-from ddp_lab.comm.tree import all_reduce_tree
 
-ALGORITHMS = {"naive": all_reduce_naive, "ring": all_reduce_ring, "tree": all_reduce_tree}
+ALGORITHMS = {"naive": naive.all_reduce_naive, "ring": ring.all_reduce_ring,
+              "tree": tree.all_reduce_tree}
+REDUCE_SCATTER = {"naive": naive.reduce_scatter_naive, "ring": ring.reduce_scatter_ring,
+                  "tree": tree.reduce_scatter_tree}
+ALL_GATHER = {"naive": naive.all_gather_naive, "ring": ring.all_gather_ring,
+              "tree": tree.all_gather_tree}
 ALGOS = (*ALGORITHMS, "native")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.int8, torch.uint8, torch.int32, torch.int64)
@@ -44,37 +56,126 @@ def all_reduce(tensor: torch.Tensor, algo: str, group=None) -> torch.Tensor:
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         except Exception as e:  # noqa: BLE001
-            raise CommError(f"native all-reduce failed on rank {dist.get_rank(group)}: "
-                            f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
+            raise _native_error("all-reduce", group, e) from e
         return tensor
     with torch.no_grad():
         ALGORITHMS[algo](tensor.view(-1), Channel(algo, group))
     return tensor
 
 
-def _check(tensor, algo: str, group) -> None:
+def shard(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s shard of `tensor`: a flat view, piece `rank` of torch.tensor_split."""
+    return torch.tensor_split(tensor.view(-1), world_size)[rank]
+
+
+def reduce_scatter(input: torch.Tensor, output: torch.Tensor, algo: str,
+                   group=None) -> torch.Tensor:
+    """Sum `input` over `group` and put this rank's shard of the sum (`shard(sum, rank, N)`) into
+    `output`; return `output`. `input` is a working buffer, its contents afterwards unspecified
+    (ours leave partial sums there); `output` may be its own shard, a view of it. Same rules as
+    `all_reduce`."""
+    n, r = _check_pair(input, output, algo, group, "reduce_scatter", output_is_shard=True)
+    mine = shard(input, r, n)
+    if n > 1 and input.numel():
+        if algo != "native":
+            with torch.no_grad():
+                REDUCE_SCATTER[algo](input.view(-1), Channel(algo, group, "reduce-scatter"))
+        elif input.numel() % n == 0:
+            out = torch.empty_like(mine)  # (never the input's own memory)
+            _native("reduce-scatter", group, _RS_SINGLE, out, input.view(-1))
+            mine = out
+        else:  # uneven shards, which the backend's reduce-scatter refuses
+            _native("reduce-scatter", group, dist.all_reduce, input)
+    if mine.data_ptr() != output.data_ptr():
+        output.view(-1).copy_(mine)
+    return output
+
+
+def all_gather(input: torch.Tensor, output: torch.Tensor, algo: str, group=None) -> torch.Tensor:
+    """Every rank's shard (`input` holds this rank's: `shard(output, rank, N)`'s size) into
+    `output`, in rank order; return `output`. `input` may be its own shard of `output`."""
+    n, r = _check_pair(output, input, algo, group, "all_gather", output_is_shard=False)
+    mine = shard(output, r, n)
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input.view(-1))
+    if n == 1 or output.numel() == 0:
+        return output
+    if algo == "native":
+        _native_all_gather(output.view(-1), mine.clone(), n, group)
+    else:
+        with torch.no_grad():
+            ALL_GATHER[algo](output.view(-1), Channel(algo, group, "all-gather"))
+    return output
+
+
+_RS_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_AG_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _native_all_gather(flat: torch.Tensor, mine: torch.Tensor, n: int, group) -> None:
+    if flat.numel() % n == 0:
+        _native("all-gather", group, _AG_SINGLE, flat, mine)
+        return
+    # Uneven shards, which the backend refuses: gather shards padded to the largest, unpad.
+    size = shard(flat, 0, n).numel()
+    padded = flat.new_zeros(n * size)
+    _native("all-gather", group, _AG_SINGLE, padded,
+            torch.cat([mine, mine.new_zeros(size - mine.numel())]))
+    for p, piece in enumerate(torch.tensor_split(flat, n)):
+        piece.copy_(padded[p * size:p * size + piece.numel()])
+
+
+def _native(what: str, group, fn, *tensors) -> None:
+    try:
+        fn(*tensors, group=group)
+    except Exception as e:  # noqa: BLE001
+        raise _native_error(what, group, e) from e
+
+
+def _native_error(what: str, group, e: Exception) -> CommError:
+    return CommError(f"native {what} failed on rank {dist.get_rank(group)}: "
+                     f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}")
+
+
+def _check_pair(full, part, algo: str, group, name: str, output_is_shard: bool):
+    """Both tensors pass `all_reduce`'s checks, share a dtype, and `part` is the size of this
+    rank's shard of `full`."""
+    _check(full, algo, group, name)
+    _check(part, algo, group, name)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    want = shard(full, r, n).numel()
+    if part.dtype != full.dtype or part.numel() != want:
+        which = "output" if output_is_shard else "input"
+        raise ValueError(f"{name}({algo}): {which} must be rank {r}'s shard of {full.numel()} "
+                         f"elements over {n} ranks ({want} elements of {full.dtype}), got "
+                         f"{part.numel()} of {part.dtype}")
+    return n, r
+
+
+def _check(tensor, algo: str, group, name: str = "all_reduce") -> None:
     if algo not in ALGOS:
-        raise ValueError(f"unknown all-reduce algorithm {algo!r}: expected one of {', '.join(ALGOS)}")
+        what = name.replace("_", "-")
+        raise ValueError(f"unknown {what} algorithm {algo!r}: expected one of {', '.join(ALGOS)}")
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"all_reduce needs a torch.Tensor, got {type(tensor).__name__}")
+        raise ValueError(f"{name} needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPES:
-        raise ValueError(f"all_reduce({algo}): dtype {tensor.dtype} is not supported "
+        raise ValueError(f"{name}({algo}): dtype {tensor.dtype} is not supported "
                          f"(use one of {', '.join(str(d) for d in DTYPES)})")
     if not tensor.is_contiguous():
         raise ValueError(
-            f"all_reduce({algo}) needs a contiguous tensor, got shape {tuple(tensor.shape)} with "
+            f"{name}({algo}) needs a contiguous tensor, got shape {tuple(tensor.shape)} with "
             f"strides {tensor.stride()}: reduce t.contiguous() and copy the result back")
     backend = str(dist.get_backend(group)).lower()
     dev = tensor.device
     if backend == "gloo" and dev.type != "cpu":
-        raise ValueError(f"all_reduce({algo}) on a gloo group needs a CPU tensor, got one on {dev} "
+        raise ValueError(f"{name}({algo}) on a gloo group needs a CPU tensor, got one on {dev} "
                          f"(move it with .cpu(), or use an NCCL group for CUDA tensors)")
     if backend == "nccl":
         here = torch.cuda.current_device() if torch.cuda.is_available() else None
         if dev.type != "cuda" or dev.index != here:
-            raise ValueError(f"all_reduce({algo}) on an NCCL group needs a tensor on this rank's "
+            raise ValueError(f"{name}({algo}) on an NCCL group needs a tensor on this rank's "
                              f"device cuda:{here}, got one on {dev}")
 
 
-__all__ = ["ALGOS", "Channel", "CommError", "Cost", "Recorder", "all_reduce", "bus_bandwidth",
-           "cost", "recording"]
+__all__ = ["ALGOS", "Channel", "CommError", "Cost", "Recorder", "all_gather", "all_reduce",
+           "bus_bandwidth", "cost", "recording", "reduce_scatter", "shard"]

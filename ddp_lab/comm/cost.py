@@ -1,4 +1,4 @@
-"""Analytic cost of our all-reduce algorithms, as data for the scaling model.
+"""Analytic cost of our collectives (all-reduce, and its halves), as data for the scaling model.
 
 For a message of S bytes on N ranks each algorithm is described by
   steps           message rounds on the critical path (each costs one latency alpha)
@@ -14,6 +14,16 @@ For a message of S bytes on N ranks each algorithm is described by
          round carries the whole S: few rounds, but log2 N full messages on the critical path.
 
 All three move the same total, 2(N-1)S; they differ in how it is spread over ranks and rounds.
+
+op="reduce_scatter" | "all_gather": each half on its own, S still the whole tensor's bytes (as
+nccl-tests count them), with N | S assumed (uneven shards move up to a few elements more):
+  ring   N-1 steps of S/N: (N-1)S/N per rank, (N-1)S in total: half the all-reduce
+  naive  2 rounds through rank 0: the whole tensor one way ((N-1)S), one chunk per rank the
+         other ((N-1)S/N): (N - 1/N)S in total, all of it through rank 0's link
+  tree   2 ceil(log2 N) rounds: the whole tensor up (reduce-scatter) or down (all-gather) the
+         tree, (N-1)S, and the chunks of each subtree the other way, chunk c over popcount(c)
+         levels
+critical_bytes: per round, the most bytes through one rank's link, summed over the rounds.
 """
 
 from __future__ import annotations
@@ -34,21 +44,61 @@ class Cost:
         return self.steps * alpha_s + self.critical_bytes * beta_s_per_byte
 
 
-def cost(algo: str, nbytes: float, world_size: int) -> Cost:
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def cost(algo: str, nbytes: float, world_size: int, op: str = "all_reduce") -> Cost:
     n, s = world_size, float(nbytes)
     if n < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}: expected one of {', '.join(OPS)}")
     if n == 1 or s == 0:
         return Cost(0, 0.0, 0.0, 0.0)
+    if algo not in ("naive", "ring", "native", "tree"):
+        raise ValueError(f"unknown all-reduce algorithm {algo!r}: expected naive, ring, tree or "
+                         "native")
+    if op != "all_reduce":
+        return _half_cost(algo, s, n, scatter=op == "reduce_scatter")
     total = 2 * (n - 1) * s
     if algo == "naive":
         return Cost(2, 2 * (n - 1) * s, (n - 1) * s, total)
     if algo in ("ring", "native"):  # native: NCCL/gloo use a ring for large messages
         return Cost(2 * (n - 1), 2 * (n - 1) * s / n, 2 * (n - 1) * s / n, total)
-    if algo == "tree":
-        rounds = math.ceil(math.log2(n))
-        return Cost(2 * rounds, 2 * rounds * s, rounds * s, total)
-    raise ValueError(f"unknown all-reduce algorithm {algo!r}: expected naive, ring, tree or native")
+    rounds = math.ceil(math.log2(n))  # tree
+    return Cost(2 * rounds, 2 * rounds * s, rounds * s, total)
+
+
+def _half_cost(algo: str, s: float, n: int, scatter: bool) -> Cost:
+    """A reduce-scatter (scatter=True) or an all-gather: the same rounds and totals (one is the
+    other reversed); who sends the most differs."""
+    c = s / n  # one chunk
+    if algo in ("ring", "native"):
+        return Cost(n - 1, (n - 1) * c, (n - 1) * c, (n - 1) * s)
+    if algo == "naive":  # the whole tensor to rank 0 then a chunk back, or a chunk in, all out
+        return Cost(2, (n - 1) * (s + c), s if scatter else (n - 1) * s, (n - 1) * (s + c))
+    levels = math.ceil(math.log2(n))
+    # The whole tensor over one level a round; subtree pieces of min(2^k, N - 2^k) chunks at
+    # level k. Reduce-scatter: a rank sends S up and its children their subtrees' chunks;
+    # all-gather: its own subtree's chunks up and S to each child.
+    pieces = sum(min(1 << k, n - (1 << k)) for k in range(levels)) * c
+    if scatter:
+        sent = [(r > 0) * s + sum(_subtree(k, n) for k in _children(r, n, levels)) * c
+                for r in range(n)]
+    else:
+        sent = [(r > 0) * _subtree(r, n) * c + len(_children(r, n, levels)) * s
+                for r in range(n)]
+    chunked = sum(bin(p).count("1") for p in range(1, n)) * c
+    return Cost(2 * levels, levels * s + pieces, max(sent), (n - 1) * s + chunked)
+
+
+def _children(r: int, n: int, levels: int) -> list[int]:
+    low = (r & -r).bit_length() - 1 if r else levels  # a rank's children sit below its lowest bit
+    return [r + (1 << k) for k in range(low) if r + (1 << k) < n]
+
+
+def _subtree(r: int, n: int) -> int:
+    return min(r + (r & -r), n) - r
 
 
 def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""naive all-reduce: everything through rank 0.
+"""naive all-reduce: everything through rank 0; and reduce-scatter and all-gather the same way.
 
 Schedule (N ranks, tensor of S bytes, chunk None = the whole tensor):
     step 0  rank r > 0: send whole tensor to rank 0
@@ -10,6 +10,13 @@ Schedule (N ranks, tensor of S bytes, chunk None = the whole tensor):
             rank r > 0: recv whole tensor from rank 0
 Cost: 2 rounds; rank 0 sends (N-1)S and receives (N-1)S, every other rank sends S;
 total 2(N-1)S (`cost("naive", S, N)`). Rank 0 needs N-1 receive buffers of S.
+
+reduce-scatter: step 0 as above (the same sums, in the same order); step 1 rank 0 sends chunk p
+(torch.tensor_split's, N chunks) to rank p only. Rank 0 sends S - |chunk 0|, every other rank S.
+all-gather: step 0 rank r > 0 sends its chunk r to rank 0, which receives each into place;
+step 1 as above (rank 0 sends the whole tensor to every rank). Rank 0 sends (N-1)S.
+Each moves NS - |chunk 0| bytes in total, (N - 1/N)S when N divides the count
+(`cost("naive", S, N, op=...)`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,32 @@ from ddp_lab.comm.p2p import Channel
 
 
 def all_reduce_naive(flat: torch.Tensor, ch: Channel) -> None:
+    _sum_at_root(flat, ch)
+    _broadcast(flat, ch)
+
+
+def reduce_scatter_naive(flat: torch.Tensor, ch: Channel) -> None:
+    """Leave the sum of chunk r in `flat`'s chunk r (rank 0: the whole sum)."""
+    _sum_at_root(flat, ch)
+    chunks = torch.tensor_split(flat, ch.size)
+    if ch.rank == 0:
+        ch.exchange(1, sends=[(p, chunks[p], p) for p in range(1, ch.size)])
+    else:
+        ch.exchange(1, recvs=[(0, chunks[ch.rank], ch.rank)])
+
+
+def all_gather_naive(flat: torch.Tensor, ch: Channel) -> None:
+    """`flat`'s chunk r holds this rank's shard; fill in every other rank's."""
+    chunks = torch.tensor_split(flat, ch.size)
+    if ch.rank == 0:
+        ch.exchange(0, recvs=[(p, chunks[p], p) for p in range(1, ch.size)])
+    else:
+        ch.exchange(0, sends=[(0, chunks[ch.rank], ch.rank)])
+    _broadcast(flat, ch)
+
+
+def _sum_at_root(flat: torch.Tensor, ch: Channel) -> None:
+    """Step 0: every rank's tensor to rank 0, summed there in rank order."""
     n = ch.size
     if ch.rank == 0:
         bufs = [torch.empty_like(flat) for _ in range(n - 1)]
@@ -27,7 +60,13 @@ def all_reduce_naive(flat: torch.Tensor, ch: Channel) -> None:
         for b in bufs:
             flat.add_(b)
         del bufs
-        ch.exchange(1, sends=[(peer, flat, None) for peer in range(1, n)])
     else:
         ch.exchange(0, sends=[(0, flat, None)])
+
+
+def _broadcast(flat: torch.Tensor, ch: Channel) -> None:
+    """Step 1: rank 0's tensor to every other rank."""
+    if ch.rank == 0:
+        ch.exchange(1, sends=[(peer, flat, None) for peer in range(1, ch.size)])
+    else:
         ch.exchange(1, recvs=[(0, flat, None)])

@@ -10,7 +10,7 @@ byte passes through `post`, it is where bytes are counted, where the schedule ca
 (step, op, peer, chunk), and where a failed or timed-out transfer becomes one clear error that
 names the algorithm, the step and the peer (raised by `post` or by the handle's `wait`).
 The chunk label is the algorithm's: None for the whole tensor, c for chunk c, (c, k) for slice k
-of chunk c.
+of chunk c, range(a, b) for chunks a .. b-1 in one message.
 
 Counting: `with recording() as rec:` collects, on this thread, every transfer made inside it
 (`rec.bytes_sent`, `rec.bytes_received`, `rec.messages`; `rec.trace` too with `trace=True`).
@@ -73,8 +73,8 @@ def recording(recorder: Recorder | None = None, trace: bool = False):
 class Channel:
     """One collective call's view of a process group."""
 
-    def __init__(self, algo: str, group=None):
-        self.algo = algo
+    def __init__(self, algo: str, group=None, op: str = "all-reduce"):
+        self.algo, self.op = algo, op  # op: all-reduce | reduce-scatter | all-gather, for errors
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -120,7 +120,7 @@ class Channel:
             + _piece(chunk) for kind, peer, chunk, _ in what)
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return CommError(
-            f"{self.algo} all-reduce failed at step {step} on rank {self.rank} "
+            f"{self.algo} {self.op} failed at step {step} on rank {self.rank} "
             f"(global {self._global[self.rank]}) of {self.size}: {desc} did not complete: {first}. "
             f"A peer process probably died or the process group timed out.")
 
@@ -130,6 +130,8 @@ def _piece(chunk) -> str:
         return ""
     if isinstance(chunk, tuple):
         return f" of slice {chunk[1]} of chunk {chunk[0]}"
+    if isinstance(chunk, range):
+        return f" of chunks {chunk.start}..{chunk.stop - 1}"
     return f" of chunk {chunk}"
 
 

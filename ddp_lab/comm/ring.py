@@ -1,4 +1,5 @@
-"""ring all-reduce: chunked reduce-scatter, then all-gather (bandwidth-optimal), pipelined.
+"""ring all-reduce: chunked reduce-scatter, then all-gather (bandwidth-optimal), pipelined; and each
+half on its own: `reduce_scatter_ring` and `all_gather_ring` are the same loop over fewer steps.
 
 The tensor is cut into N chunks with `torch.tensor_split` (sizes differ by at most one element;
 some are empty when numel < N). Rank r sends to right = r+1 and receives from left = r-1 (mod N).
@@ -10,6 +11,14 @@ Schedule, all indices mod N, step s = 0 .. 2N-3:
         -> after N-1 steps rank r holds the full sum of chunk (r + 1), which it sends next
     all-gather, s = N-1 .. 2N-3: the chunk is a full sum: received straight into place
 (the all-gather's step t = s - (N-1) sends chunk (r + 1 - t) and receives chunk (r - t)).
+
+Alone, each half runs one chunk earlier round the ring (every chunk index above minus one), so
+that rank r ends the reduce-scatter owning chunk r and starts the all-gather from chunk r, as
+`comm.reduce_scatter` / `comm.all_gather` define shards (chunk r is rank r's):
+    reduce_scatter_ring, step s = 0 .. N-2:  send chunk (r - s - 1), recv chunk (r - s - 2), add
+    all_gather_ring,     step t = 0 .. N-2:  send chunk (r - t),     recv chunk (r - t - 1)
+The sum of chunk c is then made in the rank order c+1, c+2, ..., c (the all-reduce's: c, c+1,
+..., c-1): the same additions at N = 2, another rounding order from N = 3 on.
 
 Pipelining: every chunk is cut, again with tensor_split, into the same number m of slices, and
 each step moves its chunks slice by slice, k = 0 .. m-1, one step after the other. Slice k's send
@@ -27,7 +36,9 @@ Cost: 2(N-1) steps; rank r sends every chunk but (r+1) in the reduce-scatter and
 (r+2) in the all-gather: 2S - |chunk r+1| - |chunk r+2| bytes, which is 2(N-1)S/N when N divides
 the element count (`cost("ring", S, N)`) and never more than that plus two elements. Each chunk is
 sent N-1 times in each phase, so the total is exactly 2(N-1)S. Slices change the number of
-messages (m per step), not the bytes.
+messages (m per step), not the bytes. Alone, each half takes N-1 steps and rank r sends every
+chunk but r (reduce-scatter) or every chunk but r+1 (all-gather): (N-1)S in total, (N-1)S/N per
+rank when N divides the count (`cost("ring", S, N, op=...)`), half the all-reduce.
 
 Scratch: two slices. On CPU one pair per thread and dtype is kept across calls: a fresh buffer
 per call paid a page fault per 4 KiB on first touch, a large share of the ring's CPU time
@@ -49,19 +60,34 @@ _cpu_scratch = threading.local()  # per thread: the sync's communication thread 
 
 
 def all_reduce_ring(flat: torch.Tensor, ch: Channel) -> None:
+    _ring(flat, ch, range(2 * (ch.size - 1)), shift=0)
+
+
+def reduce_scatter_ring(flat: torch.Tensor, ch: Channel) -> None:
+    """Leave the sum of chunk r in `flat`'s chunk r (the rest of `flat` holds partial sums)."""
+    _ring(flat, ch, range(ch.size - 1), shift=-1)
+
+
+def all_gather_ring(flat: torch.Tensor, ch: Channel) -> None:
+    """`flat`'s chunk r holds this rank's shard; fill in every other rank's."""
+    _ring(flat, ch, range(ch.size - 1, 2 * (ch.size - 1)), shift=-1)
+
+
+def _ring(flat: torch.Tensor, ch: Channel, steps: range, shift: int) -> None:
+    """The schedule's steps `steps` (traced from 0), every chunk index moved by `shift`."""
     n, r = ch.size, ch.rank
     right, left = (r + 1) % n, (r - 1) % n
     chunks = torch.tensor_split(flat, n)  # the largest first
     m = slices_per_chunk(chunks[0].numel(), flat.element_size())
     bufs = _scratch(-(-chunks[0].numel() // m), flat)  # two, each of the largest slice
     pending, i = None, 0  # the slice in flight; slices posted so far (alternates the scratch)
-    for s in range(2 * (n - 1)):
+    for s in steps:
         reduce = s < n - 1
-        send_c, recv_c = (r - s) % n, (r - s - 1) % n
+        send_c, recv_c = (r - s + shift) % n, (r - s - 1 + shift) % n
         sends, recvs = _cut(chunks[send_c], m), _cut(chunks[recv_c], m)
         for k in range(m):
             into = bufs[i % 2][:recvs[k].numel()] if reduce else recvs[k]
-            posted = ch.post(s, sends=[(right, sends[k], (send_c, k))],
+            posted = ch.post(s - steps.start, sends=[(right, sends[k], (send_c, k))],
                              recvs=[(left, into, (recv_c, k))])
             if pending is not None:
                 _land(*pending)
