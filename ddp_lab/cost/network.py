@@ -1,5 +1,5 @@
-"""The network side of the scaling model: alpha-beta fits, per-step predictions, and simulation
-past the hardware we have.
+"""The network side of the scaling model: alpha-beta fits, the step's overlap schedule with
+interference, and simulation past the hardware we have.
 
 An all-reduce of S bytes on N ranks costs (ddp_lab.comm.cost)
 
@@ -7,29 +7,36 @@ An all-reduce of S bytes on N ranks costs (ddp_lab.comm.cost)
 
 alpha is one message round's latency, beta the inverse bandwidth of the link the critical path
 crosses (for the ring, critical_bytes = 2(N-1)/N * S, so 1/beta is exactly nccl-tests' bus
-bandwidth). `fit_alpha_beta` finds alpha, beta >= 0 per (algo, backend) by least squares over
-the benchmark's message sizes.
+bandwidth). `fit_alpha_beta` finds alpha, beta >= 0 per (algo, backend) by least squares on
+relative errors over the benchmark's message sizes, with one line per message-size regime where
+the backend changes protocol with the size, and one fit per world size where pooling them does
+not fit; it keeps the fewest of those the table needs (BIC, `_fit_group`).
 
-One training step, as the model sees it (`step_time`):
+One training step, as the model sees it (`predict_step`; per phase for a sweep's points in
+ddp_lab/scale/predict.py):
 
     data + forward + backward + exposed communication + optimizer
 
-The gradients are cut into buckets (reverse parameter order, a parameter never split, a bucket
-closed once it reaches the cap, as DDP does). Bucket b is *ready* when backward has produced the
-last of its gradients. Backward is walked layer by layer in reverse forward order, each layer
-taking a share of the backward time equal to its share of the forward FLOPs, so a bucket of
-AlexNet's fully connected layers (most of the bytes, few of the FLOPs) is ready early and can hide
-behind the long convolution backward that follows. All-reduces run one at a time, in bucket order,
-on one channel: start_b = max(ready_b, end_{b-1}), end_b = start_b + t(bucket_b), every bucket
-paying its own latency. Exposed communication = end of the last all-reduce - end of backward
-(>= 0). Without overlap every bucket starts when backward ends. Not modelled: the slowdown of
-compute by concurrent communication (SMs, memory bandwidth, CPU threads on gloo), stragglers,
-DDP's re-ordering of buckets after the first step, and the optimizer step (a constant per step).
+The gradients are cut into buckets in the order backward produces them (`bucket_layout`: DDP's
+rule or ours; a parameter is never split). Bucket b is *ready* when backward has produced the
+last of its gradients: at the fraction of backward the interference probe measured
+(ddp_lab/scale/interfere.py), else walked layer by layer, each layer taking its share of the
+forward FLOPs. All-reduces run one at a time, in bucket order, on one channel (`schedule`): each
+starts when its bucket is ready and the previous one is done. While an all-reduce runs beside
+backward, backward advances at 1/Interference.compute of its speed and the all-reduce at
+1/Interference.comm (they share cores and memory bandwidth on a CPU, SMs and memory bandwidth on
+a GPU); after backward it runs at full speed. Exposed communication = (slowed backward - backward)
++ (end of the last all-reduce - end of backward, >= 0). With Interference(1, 1) that is
+start_b = max(ready_b, end_{b-1}), end_b = start_b + t(bucket_b): the model before interference.
+Without overlap every bucket starts when backward ends. Not modelled here: DDP's re-ordering of
+buckets after the first step; contention between ranks and stragglers are the sweep's
+(ddp_lab/scale/predict.py).
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -61,30 +68,80 @@ def read_table(path: str) -> list[dict]:
 
 
 @dataclass(frozen=True)
-class Fit:
-    """alpha (s per message round) and beta (s per critical-path byte) for one (algo, backend)."""
-    algo: str
-    backend: str
+class Regime:
+    """alpha and beta for messages of at least `lo_bytes` bytes (up to the next regime's)."""
+    lo_bytes: float
     alpha_s: float
     beta_s_per_byte: float
-    r2: float  # coefficient of determination of the times
+
+
+@dataclass(frozen=True)
+class Fit:
+    """An all-reduce's alpha-beta fit for one (algo, backend): one line per message-size regime
+    (a backend changes protocol with the size: eager vs rendezvous sends, cache-resident vs
+    streaming reductions), and one such fit per world size where the table shows that pooling
+    them does not fit (ranks sharing one machine's memory bandwidth, say)."""
+    algo: str
+    backend: str
+    regimes: tuple[Regime, ...]  # by lo_bytes, the first from 0
+    r2: float  # coefficient of determination of the times, as fitted (regimes, world sizes)
     max_rel_err: float  # the worst |predicted - measured| / measured over the rows fitted
     points: int
     world_sizes: tuple[int, ...]
+    by_world_size: tuple[tuple[int, "Fit"], ...] = ()  # used at those world sizes when present
+    r2_one_line: float = float("nan")  # one alpha-beta line over the whole table, to compare
+    max_rel_err_one_line: float = float("nan")
+
+    def regime(self, nbytes: float) -> Regime:
+        return next((r for r in reversed(self.regimes) if nbytes >= r.lo_bytes), self.regimes[0])
 
     def time_s(self, nbytes: float, world_size: int) -> float:
-        return cost(self.algo, nbytes, world_size).time(self.alpha_s, self.beta_s_per_byte)
+        per_n = dict(self.by_world_size).get(world_size)
+        if per_n is not None:
+            return per_n.time_s(nbytes, world_size)
+        r = self.regime(nbytes)
+        return cost(self.algo, nbytes, world_size).time(r.alpha_s, r.beta_s_per_byte)
+
+    @property
+    def alpha_s(self) -> float:
+        """The largest messages' regime: what gradients buckets mostly are."""
+        return self.regimes[-1].alpha_s
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        return self.regimes[-1].beta_s_per_byte
 
     @property
     def bandwidth_GBps(self) -> float:
         """1/beta in GB/s: the bus bandwidth for ring/native, rank 0's link for naive/tree."""
         return 1e-9 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else float("inf")
 
+    def describe(self) -> str:
+        """The regimes in words: `<64 KiB: 40 us, 0.9 GB/s; >=64 KiB: 150 us, 2.1 GB/s`."""
+        def one(r: Regime, hi: float | None) -> str:
+            where = (f">={_kib(r.lo_bytes)}" if hi is None else
+                     f"<{_kib(hi)}" if r.lo_bytes == 0 else f"{_kib(r.lo_bytes)}-{_kib(hi)}")
+            bw = 1e-9 / r.beta_s_per_byte if r.beta_s_per_byte > 0 else float("inf")
+            return f"{where}: {r.alpha_s * 1e6:.0f} us, {bw:.2g} GB/s"
+        if len(self.regimes) == 1:
+            return one(self.regimes[0], None).split(": ", 1)[1]
+        his = [r.lo_bytes for r in self.regimes[1:]] + [None]
+        return "; ".join(one(r, hi) for r, hi in zip(self.regimes, his))
+
     def as_row(self) -> dict:
-        return {"algo": self.algo, "backend": self.backend, "alpha_us": self.alpha_s * 1e6,
-                "bandwidth_GBps": self.bandwidth_GBps, "r2": self.r2,
-                "max_rel_err_pct": 100 * self.max_rel_err, "points": self.points,
-                "world_sizes": " ".join(map(str, self.world_sizes))}
+        return {"algo": self.algo, "backend": self.backend, "regimes": len(self.regimes),
+                "per_world_size": "yes" if self.by_world_size else "no",
+                "fit": self.describe() if not self.by_world_size else "; ".join(
+                    f"N={n}: {f.describe()}" for n, f in self.by_world_size),
+                "alpha_us": self.alpha_s * 1e6, "bandwidth_GBps": self.bandwidth_GBps,
+                "r2": self.r2, "max_rel_err_pct": 100 * self.max_rel_err,
+                "r2_one_line": self.r2_one_line,
+                "max_rel_err_one_line_pct": 100 * self.max_rel_err_one_line,
+                "points": self.points, "world_sizes": " ".join(map(str, self.world_sizes))}
+
+
+def _kib(nbytes: float) -> str:
+    return f"{nbytes / MB:g} MiB" if nbytes >= MB else f"{nbytes / 1024:g} KiB"
 
 
 def _nnls2(a: Sequence[tuple[float, float]], y: Sequence[float]) -> tuple[float, float]:
@@ -110,35 +167,114 @@ def _nnls2(a: Sequence[tuple[float, float]], y: Sequence[float]) -> tuple[float,
     return tuple(float(v) for v in best / scale)
 
 
-def fit_alpha_beta(rows: Iterable[dict], relative: bool = True) -> dict[tuple[str, str], Fit]:
+# Relative errors below this (timer resolution, run-to-run noise of a median) buy no extra regime
+# and no per-world-size fit: the model selection below counts them as this large.
+REL_NOISE_FLOOR = 0.01
+MIN_SIZES_PER_REGIME = 3  # two parameters per line: a third size is what checks it
+
+
+def _line(rows: list[dict], algo: str) -> tuple[float, float, list[float]]:
+    """alpha, beta >= 0 minimising relative errors over `rows`; and the relative residuals."""
+    a, y, cs = [], [], []
+    for r in rows:
+        c, t = cost(algo, r["bytes"], int(r["world_size"])), float(r["time_us"]) * 1e-6
+        a.append((c.steps / t, c.critical_bytes / t))
+        y.append(1.0)
+        cs.append((c, t))
+    alpha, beta = _nnls2(a, y)
+    return alpha, beta, [c.time(alpha, beta) / t - 1 for c, t in cs]
+
+
+def _segments(sizes: list[int], k: int):
+    """Every way to cut the sorted sizes into k runs of at least MIN_SIZES_PER_REGIME sizes."""
+    from itertools import combinations
+
+    m = MIN_SIZES_PER_REGIME
+    if k == 1:  # one line always fits, however few the sizes
+        yield sizes[:1]
+        return
+    for cuts in combinations(range(m, len(sizes) - m + 1), k - 1):
+        bounds = (0, *cuts, len(sizes))
+        if all(b - a >= m for a, b in zip(bounds, bounds[1:])):
+            yield [sizes[a] for a in bounds[:-1]]
+
+
+def _fit_regimes(rows: list[dict], algo: str,
+                 max_regimes: int) -> tuple[tuple[Regime, ...], list[float]]:
+    """The fewest size regimes the rows need (BIC on relative errors, noise floored): regimes
+    and the relative residuals."""
+    sizes = sorted({int(r["bytes"]) for r in rows})
+    best = None
+    for k in range(1, max_regimes + 1):
+        for los in _segments(sizes, k):
+            regimes, resid = [], []
+            for lo, hi in zip(los, [*los[1:], math.inf]):
+                part = [r for r in rows if lo <= int(r["bytes"]) < hi]
+                alpha, beta, res = _line(part, algo)
+                regimes.append(Regime(0.0 if not regimes else float(lo), alpha, beta))
+                resid += res
+            score = _bic(resid, 3 * k - 1)
+            if best is None or score < best[0] - 1e-9:
+                best = (score, tuple(regimes), resid)
+    return best[1], best[2]
+
+
+def _bic(resid: list[float], params: int) -> float:
+    n = len(resid)
+    ssr = max(sum(r * r for r in resid), n * REL_NOISE_FLOOR ** 2)
+    return n * math.log(ssr / n) + params * math.log(n)
+
+
+def _quality(fit: Fit, rows: list[dict]) -> tuple[float, float]:
+    """(R^2 of the times, worst relative error) of `fit` over `rows`."""
+    times = [float(r["time_us"]) * 1e-6 for r in rows]
+    pred = [fit.time_s(r["bytes"], int(r["world_size"])) for r in rows]
+    mean = sum(times) / len(times)
+    ss_tot = sum((t - mean) ** 2 for t in times)
+    ss_res = sum((p - t) ** 2 for p, t in zip(pred, times))
+    return (1 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
+            max(abs(p - t) / t for p, t in zip(pred, times)))
+
+
+def _fit_group(algo: str, backend: str, rs: list[dict], max_regimes: int) -> Fit:
+    """Pooled regimes, or one fit per world size where that scores better (BIC)."""
+    ns = tuple(sorted({int(r["world_size"]) for r in rs}))
+    regimes, resid = _fit_regimes(rs, algo, max_regimes)
+    pooled = Fit(algo, backend, regimes, 0.0, 0.0, len(rs), ns)
+    alpha, beta, _ = _line(rs, algo)
+    line = Fit(algo, backend, (Regime(0.0, alpha, beta),), 0.0, 0.0, len(rs), ns)
+    per_n, resid_n, params_n = [], [], 0
+    for n in ns:
+        part = [r for r in rs if int(r["world_size"]) == n]
+        reg_n, res_n = _fit_regimes(part, algo, max_regimes)
+        per_n.append((n, Fit(algo, backend, reg_n, *_quality_of(algo, backend, reg_n, part))))
+        resid_n += res_n
+        params_n += 3 * len(reg_n) - 1
+    use_per_n = len(ns) > 1 and _bic(resid_n, params_n) < _bic(resid, 3 * len(regimes) - 1)
+    fit = dataclasses.replace(pooled, by_world_size=tuple(per_n) if use_per_n else ())
+    r2, worst = _quality(fit, rs)
+    r2_line, worst_line = _quality(line, rs)
+    return dataclasses.replace(fit, r2=r2, max_rel_err=worst, r2_one_line=r2_line,
+                               max_rel_err_one_line=worst_line)
+
+
+def _quality_of(algo, backend, regimes, rows) -> tuple:
+    fit = Fit(algo, backend, regimes, 0.0, 0.0, len(rows),
+              tuple(sorted({int(r["world_size"]) for r in rows})))
+    return (*_quality(fit, rows), len(rows), fit.world_sizes)
+
+
+def fit_alpha_beta(rows: Iterable[dict], max_regimes: int = 3) -> dict[tuple[str, str], Fit]:
     """One Fit per (algo, backend) over every (message size, world size) row with world size > 1
-    and no wrong elements. `relative=True` weights each row by 1/time, i.e. minimises relative
-    errors, so the latency term is not drowned by the largest messages."""
+    and no wrong elements, minimising relative errors (so the latency term is not drowned by the
+    largest messages). Up to `max_regimes` message-size regimes, and a fit per world size, where
+    the table shows they are needed (`_fit_group`); one line otherwise."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         if int(r["world_size"]) > 1 and not int(r.get("wrong") or 0) and float(r["time_us"]) > 0:
             groups.setdefault((r["algo"], r.get("backend", "")), []).append(r)
-    fits = {}
-    for (algo, backend), rs in sorted(groups.items()):
-        a, y, w = [], [], []
-        for r in rs:
-            c = cost(algo, r["bytes"], int(r["world_size"]))
-            t = float(r["time_us"]) * 1e-6
-            wt = 1.0 / t if relative else 1.0
-            a.append((c.steps * wt, c.critical_bytes * wt))
-            y.append(t * wt)
-            w.append((c, t))
-        alpha, beta = _nnls2(a, y)
-        times = [t for _, t in w]
-        pred = [c.time(alpha, beta) for c, _ in w]
-        mean = sum(times) / len(times)
-        ss_tot = sum((t - mean) ** 2 for t in times)
-        ss_res = sum((p - t) ** 2 for p, t in zip(pred, times))
-        fits[(algo, backend)] = Fit(
-            algo, backend, alpha, beta, 1 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
-            max(abs(p - t) / t for p, t in zip(pred, times)), len(rs),
-            tuple(sorted({int(r["world_size"]) for r in rs})))
-    return fits
+    return {(algo, backend): _fit_group(algo, backend, rs, max_regimes)
+            for (algo, backend), rs in sorted(groups.items())}
 
 
 # ---- networks --------------------------------------------------------------------------------
@@ -184,7 +320,7 @@ class Network:
                                           if algo in ("hring", "native", "ring") else None)
             if fit is None:
                 raise KeyError(f"no measured fit for {algo!r} in {self.name}")
-            return cost(fit.algo, nbytes, n).time(fit.alpha_s, fit.beta_s_per_byte)
+            return fit.time_s(nbytes, n)
         g = self.gpus_per_node
         if algo == "native":
             algo = "hring"
@@ -347,36 +483,141 @@ class Bucket:
     ready: float  # fraction of backward done when its last gradient is produced
 
 
-def make_buckets(profile: ModelProfile, bucket_mb: float, elem_bytes: int,
-                 first_bucket_mb: float | None = None) -> list[Bucket]:
-    """Buckets in the order backward fills them: a bucket closes once it holds >= the cap (a
-    parameter is never split). `first_bucket_mb`: DDP's smaller first bucket (1 MiB), or None.
-    bucket_mb <= 0 means one bucket for everything."""
-    cap = bucket_mb * MB if bucket_mb > 0 else float("inf")
-    first = first_bucket_mb * MB if first_bucket_mb else cap
-    buckets, size, ready = [], 0, 0.0
-    for numel, frac in profile.gradients_in_backward_order():
-        size += numel * elem_bytes
-        ready = frac
-        if size >= (first if not buckets else cap):
-            buckets.append(Bucket(size, ready))
+def bucket_layout(numels: Sequence[int], elem_bytes: int, bucket_mb: float, rule: str,
+                  first_bucket_mb: float | None = None) -> list[int]:
+    """Bytes per bucket of gradients of `numels` (in the order backward produces them), as a sync
+    cuts them (a parameter never split):
+      ddp   torch DDP: a bucket closes once it holds >= the cap (the first one at 1 MiB);
+      ours  ddp_lab/sync/bucketed.py: a parameter that would take a bucket past the cap starts
+            the next one (0 MiB: a bucket per parameter).
+    bucket_mb <= 0 under `ddp` means one bucket for everything (the simulation's sweep)."""
+    return [nb for nb, _ in _layout(numels, elem_bytes, bucket_mb, rule, first_bucket_mb)]
+
+
+def _layout(numels, elem_bytes, bucket_mb, rule, first_bucket_mb) -> list[tuple[int, int]]:
+    """(bytes, index of its last parameter) per bucket; see bucket_layout."""
+    if rule not in ("ddp", "ours"):
+        raise ValueError(f"unknown bucket rule {rule!r}: expected ddp or ours")
+    cap = bucket_mb * MB if bucket_mb > 0 or rule == "ours" else math.inf
+    first = first_bucket_mb * MB if first_bucket_mb and rule == "ddp" else cap
+    out, size = [], 0
+    for i, numel in enumerate(numels):
+        nbytes = numel * elem_bytes
+        if rule == "ours" and size and size + nbytes > cap:
+            out.append((size, i - 1))
+            size = 0
+        size += nbytes
+        if rule == "ddp" and size >= (first if not out else cap):
+            out.append((size, i))
             size = 0
     if size:
-        buckets.append(Bucket(size, ready))
-    return buckets
+        out.append((size, len(numels) - 1))
+    return out
+
+
+def buckets_of(grads: Sequence[tuple[int, float]], elem_bytes: int, bucket_mb: float,
+               rule: str = "ddp", first_bucket_mb: float | None = None) -> list[Bucket]:
+    """Buckets of gradients given as (numel, ready fraction) in backward order: each is ready
+    when the last of its gradients is (the latest of them, should measured ones cross)."""
+    layout = _layout([n for n, _ in grads], elem_bytes, bucket_mb, rule, first_bucket_mb)
+    out, first = [], 0
+    for nbytes, last in layout:
+        out.append(Bucket(nbytes, max(f for _, f in grads[first:last + 1])))
+        first = last + 1
+    return out
+
+
+def make_buckets(profile: ModelProfile, bucket_mb: float, elem_bytes: int,
+                 first_bucket_mb: float | None = None, rule: str = "ddp") -> list[Bucket]:
+    """Buckets of `profile`'s gradients in the order backward fills them, ready by FLOPs
+    (bucket_layout has the rules). bucket_mb <= 0 means one bucket for everything."""
+    return buckets_of(profile.gradients_in_backward_order(), elem_bytes, bucket_mb, rule,
+                      first_bucket_mb)
+
+
+@dataclass(frozen=True)
+class Interference:
+    """How much backward and communication slow each other while both run (1.0: not at all):
+    `compute` = backward time with all-reduces running / without, `comm` = all-reduce time with
+    backward running / without. Measured by ddp_lab/scale/interfere.py; assumed for GPUs."""
+    compute: float = 1.0
+    comm: float = 1.0
+
+
+NO_INTERFERENCE = Interference()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One step's backward and bucket all-reduces, as `schedule` plays them."""
+    backward_s: float  # backward alone
+    backward_end_s: float  # backward as slowed by the communication running beside it
+    comm_end_s: float  # end of the last all-reduce (0 without buckets)
+    busy_s: float  # the all-reduces' times at full speed, summed
+    comm_wall_s: float  # time the channel was busy (slower where it ran beside backward)
+
+    @property
+    def slowdown_s(self) -> float:
+        """Backward time lost to the communication it overlapped."""
+        return self.backward_end_s - self.backward_s
+
+    @property
+    def wait_s(self) -> float:
+        """What is left of the communication after backward ends."""
+        return max(0.0, self.comm_end_s - self.backward_end_s)
+
+    @property
+    def exposed_s(self) -> float:
+        """Time the step loses to communication beyond backward alone: slowdown + wait (the
+        training loop's `exposed_comm` = backward + comm - backward without communication)."""
+        return self.slowdown_s + self.wait_s
+
+
+def schedule(buckets: Sequence[Bucket], backward_s: float, allreduce_s: Callable[[float], float],
+             overlap: bool = True, interference: Interference = NO_INTERFERENCE) -> Schedule:
+    """Backward and the bucket all-reduces on one channel, in bucket order, each as soon as its
+    bucket is ready and the previous one is done. While both run, backward advances at
+    1/interference.compute of its speed and the all-reduce at 1/interference.comm; after backward
+    the all-reduces run at full speed. Without interference this is start_b = max(ready_b,
+    end_{b-1}), end_b = start_b + t_b: the model of the module docstring."""
+    ready = [b.ready * backward_s if overlap else backward_s for b in buckets]
+    sc, sm = interference.compute, interference.comm
+    t = work = busy = wall = end = 0.0
+    j, left, began = 0, None, 0.0  # next bucket; work left in the one in flight; its start
+    while work < backward_s:
+        if left is None and j < len(buckets) and ready[j] <= work:
+            left, began = allreduce_s(buckets[j].nbytes), t
+            busy += left
+        rate = 1.0 / sc if left is not None else 1.0
+        dt, event = (backward_s - work) / rate, "backward"
+        if left is not None and left * sm < dt:
+            dt, event = left * sm, "comm"
+        elif left is None and j < len(buckets) and (ready[j] - work) / rate < dt:
+            dt, event = (ready[j] - work) / rate, "ready"
+        t += dt  # (the event's own target exactly: no rounding can leave it a hair short)
+        work = {"backward": backward_s, "ready": ready[j] if j < len(ready) else work}.get(
+            event, work + dt * rate)
+        if event == "comm":
+            end, wall, left, j = t, wall + t - began, None, j + 1
+        elif left is not None:
+            left -= dt / sm
+    backward_end = t if backward_s > 0 else 0.0
+    if left is not None:  # the all-reduce in flight finishes at full speed
+        end, wall, j = t + left, wall + t + left - began, j + 1
+    for b in buckets[j:]:
+        tb = allreduce_s(b.nbytes)
+        start = max(end, backward_end)
+        end, busy, wall = start + tb, busy + tb, wall + tb
+    return Schedule(backward_s, backward_end, end, busy, wall)
 
 
 def exposed_comm_s(buckets: Sequence[Bucket], backward_s: float,
-                   allreduce_s: Callable[[float], float], overlap: bool = True) -> tuple[float, float]:
+                   allreduce_s: Callable[[float], float], overlap: bool = True,
+                   interference: Interference = NO_INTERFERENCE) -> tuple[float, float]:
     """(exposed, busy) seconds of one step's gradient all-reduces: busy = the sum of the bucket
-    all-reduce times, exposed = what is left after backward ends (the model in the module doc)."""
-    end, busy = 0.0, 0.0
-    for b in buckets:
-        t = allreduce_s(b.nbytes)
-        start = max(end, b.ready * backward_s if overlap else backward_s)
-        end = start + t
-        busy += t
-    return max(0.0, end - backward_s), busy
+    all-reduce times, exposed = what the step loses to them beyond backward alone."""
+    s = schedule(buckets, backward_s, allreduce_s, overlap, interference)
+    return s.exposed_s, s.busy_s
 
 
 def bytes_per_step(algo: str, grad_bytes: float, world_size: int) -> float:
@@ -389,9 +630,11 @@ def bytes_per_step(algo: str, grad_bytes: float, world_size: int) -> float:
 class StepPrediction:
     step_s: float
     compute_s: float
-    exposed_s: float
+    exposed_s: float  # slowdown of backward + the wait after it
     busy_s: float
     buckets: int
+    slowdown_s: float = 0.0  # backward lost to communication beside it (interference)
+    wait_s: float = 0.0  # communication left after backward
 
     def efficiency(self, step1_s: float, scale: float = 1.0) -> float:
         return step1_s / (scale * self.step_s)
@@ -400,14 +643,15 @@ class StepPrediction:
 def predict_step(profile: ModelProfile, network: Network, algo: str, world_size: int, *,
                  forward_s: float, backward_s: float, other_s: float = 0.0,
                  bucket_mb: float = 25.0, elem_bytes: int = 4, overlap: bool = True,
-                 first_bucket_mb: float | None = None) -> StepPrediction:
-    """One step on `world_size` ranks: the measured single-rank phases plus the modelled exposed
-    communication of `algo` on `network`."""
+                 first_bucket_mb: float | None = None,
+                 interference: Interference = NO_INTERFERENCE) -> StepPrediction:
+    """One step on `world_size` ranks: the single-rank phases plus the modelled exposed
+    communication of `algo` on `network`, slowed by `interference` where it overlaps backward."""
     buckets = make_buckets(profile, bucket_mb, elem_bytes, first_bucket_mb)
-    exposed, busy = exposed_comm_s(buckets, backward_s,
-                                   lambda nb: network.allreduce_s(algo, nb, world_size), overlap)
-    return StepPrediction(forward_s + backward_s + other_s + exposed, forward_s + backward_s,
-                          exposed, busy, len(buckets))
+    s = schedule(buckets, backward_s, lambda nb: network.allreduce_s(algo, nb, world_size),
+                 overlap, interference)
+    return StepPrediction(forward_s + backward_s + other_s + s.exposed_s, forward_s + backward_s,
+                          s.exposed_s, s.busy_s, len(buckets), s.slowdown_s, s.wait_s)
 
 
 # ---- simulation past the hardware ------------------------------------------------------------
@@ -415,12 +659,14 @@ def predict_step(profile: ModelProfile, network: Network, algo: str, world_size:
 def simulate(models: dict[str, float], networks: Sequence[Network], world_sizes: Sequence[int],
              grad_dtypes: Sequence[str], bucket_sizes_mb: Sequence[float], *,
              batch_per_gpu: int, overlap: bool = True,
-             compute_source: dict[str, str] | None = None) -> list[dict]:
+             compute_source: dict[str, str] | None = None,
+             interference: Interference = NO_INTERFERENCE) -> list[dict]:
     """Rows of (network, model, grad dtype, algo, N, bucket) -> efficiency and throughput.
 
     `models`: name -> single-GPU compute (forward + backward) seconds per step at `batch_per_gpu`;
     backward is taken as 2/3 of it. Weak scaling: efficiency = step_1 / step_N, with step_1 the
-    compute alone (a world size of 1 has nothing to communicate)."""
+    compute alone (a world size of 1 has nothing to communicate). `interference`: how much
+    backward and the all-reduces slow each other where they overlap (the sweep's model)."""
     rows = []
     for net in networks:
         for name, compute_s in models.items():
@@ -435,7 +681,8 @@ def simulate(models: dict[str, float], networks: Sequence[Network], world_sizes:
                             continue
                         for bucket_mb in bucket_sizes_mb:
                             p = predict_step(profile, net, algo, n, forward_s=fwd, backward_s=bwd,
-                                             bucket_mb=bucket_mb, elem_bytes=elem, overlap=overlap)
+                                             bucket_mb=bucket_mb, elem_bytes=elem, overlap=overlap,
+                                             interference=interference)
                             rows.append({
                                 "network": net.name, "model": name, "grad_dtype": dtype,
                                 "algo": algo, "world_size": n, "bucket_mb": bucket_mb,
