@@ -66,6 +66,10 @@ class SyncConfig:
     comm_dtype: str = "fp32"  # fp32 | bf16 | fp16: dtype gradients travel in (ours and DDP)
     gradient_as_bucket_view: bool = False  # DDP only
     static_graph: bool = False  # DDP only
+    # ZeRO stage: 0 none; 1 optimizer state sharded over the ranks; 2 gradients too (reduce-scatter
+    # instead of all-reduce). naive|ring|tree: ddp_lab/sync/zero.py; ddp: 1 only, torch's
+    # ZeroRedundancyOptimizer
+    zero: int = 0
 
 
 @dataclass
@@ -172,6 +176,7 @@ CHOICES = {
     "data.name": ("digits", "synthetic", "cifar10", "imagefolder"),
     "sync.name": ("none", "ddp", "naive", "ring", "tree"),
     "sync.comm_dtype": ("fp32", "bf16", "fp16"),
+    "sync.zero": (0, 1, 2),
     "precision.name": ("fp32", "tf32", "fp16", "bf16"),
     "precision.autocast_dtype": ("none", "float16", "bfloat16"),
     "optim.name": ("sgd", "adamw"),
@@ -214,6 +219,7 @@ SCOPED = {
     "sync.overlap": ("sync.name", ("naive", "ring", "tree")),  # DDP always overlaps
     "sync.gradient_as_bucket_view": ("sync.name", ("ddp",)),
     "sync.static_graph": ("sync.name", ("ddp",)),
+    "sync.zero": ("sync.name", ("ddp", "naive", "ring", "tree")),  # none: nothing to shard over
     "precision.init_scale": ("precision.grad_scaler", (True,)),
     "precision.growth_interval": ("precision.grad_scaler", (True,)),
     "optim.momentum": ("optim.name", ("sgd",)),
@@ -271,6 +277,7 @@ def validate(cfg) -> None:
     _check_scoped(cfg)
     _check_model_and_data(cfg)
     _check_precision(cfg)
+    _check_sync(cfg)
     _check_optim(cfg)
     _check_run_length(cfg)
     _check_reliability(cfg)
@@ -281,7 +288,7 @@ def _check_choices_and_ranges(cfg) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
     for group, schema in typing.get_type_hints(Config).items():
         hints = typing.get_type_hints(schema) if is_dataclass(schema) else {}
         for name, hint in hints.items():
@@ -341,6 +348,14 @@ def _check_precision(cfg) -> None:
     if p.grad_scaler and autocast == "none":
         raise ConfigError(f"precision.grad_scaler=true: loss scaling keeps float16 gradients "
                           f"from underflowing, and precision={p.name} has none; use precision=fp16")
+
+
+def _check_sync(cfg) -> None:
+    s = cfg.sync
+    if s.name == "ddp" and s.zero > 1:
+        raise ConfigError(f"sync.zero={s.zero} with sync=ddp: torch's ZeroRedundancyOptimizer "
+                          "shards optimizer state only (ZeRO-1); use sync.zero=1, or "
+                          f"sync=naive|ring|tree sync.zero={s.zero}")
 
 
 def _check_optim(cfg) -> None:

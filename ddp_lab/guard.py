@@ -77,8 +77,10 @@ class Guard:
         loss = loss.detach()
         if self._one is None:
             self._one = torch.ones(1, device=loss.device)
-        norms = torch._foreach_norm([loss, *(p.grad for p in self.params if p.grad is not None)],
-                                    1, dtype=torch.float32)
+        # The optimizer's gradients: the model's, or with ZeRO this rank's shards of them (the
+        # flags below are all-reduced, so every rank sees every shard's verdict).
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norms = torch._foreach_norm([loss, *grads], 1, dtype=torch.float32)
         if self.info.world_size == 1:
             # Made in the step (a graph replays it); a scalar, as fused AdamW's step counts are.
             found = torch.zeros((), device=loss.device)
@@ -93,7 +95,7 @@ class Guard:
             self._flag_non_finite(norms[1:], detail[1, r:r + 1])
             dist.all_reduce(detail)  # columns are disjoint: entries stay 0/1
             found = detail.amax()
-        if optimizer.defaults.get("fused") and (optimizer.state or _stateless(optimizer)):
+        if _fused(optimizer) and (optimizer.state or _stateless(optimizer)):
             optimizer.found_inf = found  # 1.0 skips the fused update, 0.0 applies it
         elif found.item():
             # Unfused optimizer, or the very first step (fused SGD would leave its new momentum
@@ -204,6 +206,13 @@ def rank_flags(found: torch.Tensor, detail: torch.Tensor) -> torch.Tensor:
     # name the cause.
     bad_loss = ~torch.isfinite(detail)
     return torch.stack([bad_loss, found.view(()).bool() & ~bad_loss]).float().view(2, 1)
+
+
+def _fused(optimizer) -> bool:
+    """A fused torch optimizer, which reads `found_inf` (a wrapper such as ZeroRedundancyOptimizer
+    would not pass it on to the one inside)."""
+    return isinstance(optimizer, (torch.optim.SGD, torch.optim.AdamW)) and bool(
+        optimizer.defaults.get("fused"))
 
 
 def _stateless(optimizer) -> bool:

@@ -18,12 +18,19 @@ def _impl_kwargs(impl: str, device: torch.device) -> dict:
 
 
 def build_optimizer(ocfg, params, device: torch.device) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_class(ocfg, device)
+    return cls(params, **kwargs)
+
+
+def optimizer_class(ocfg, device: torch.device) -> tuple[type, dict]:
+    """(torch optimizer class, its keyword arguments): what the sync builds the optimizer from
+    (over its shards with ZeRO, or as torch's ZeroRedundancyOptimizer)."""
     kwargs = _impl_kwargs(ocfg.impl, device)
     if ocfg.name == "sgd":
-        return torch.optim.SGD(params, lr=ocfg.lr, momentum=ocfg.momentum, nesterov=ocfg.nesterov,
-                               weight_decay=ocfg.weight_decay, **kwargs)
-    return torch.optim.AdamW(params, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
-                             weight_decay=ocfg.weight_decay, **kwargs)
+        return torch.optim.SGD, dict(lr=ocfg.lr, momentum=ocfg.momentum, nesterov=ocfg.nesterov,
+                                     weight_decay=ocfg.weight_decay, **kwargs)
+    return torch.optim.AdamW, dict(lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
+                                   weight_decay=ocfg.weight_decay, **kwargs)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str,
@@ -43,11 +50,12 @@ def build_scheduler(optimizer, ocfg, total_steps: int):
                                           ocfg.min_lr_ratio))
 
 
-def float_lrs(optimizer, scheduler) -> dict:
+def float_lrs(optimizer, scheduler, opt_state: dict | None = None) -> dict:
     """{"optimizer": ..., "scheduler": ...} state dicts with plain-float learning rates, whether
     the live ones are floats or device tensors (train.cuda_graph), so a checkpoint resumes either
-    way."""
-    opt, sched = optimizer.state_dict(), scheduler.state_dict()
+    way. opt_state: the optimizer's state dict if already made (ZeRO gathers it from the shards)."""
+    opt = optimizer.state_dict() if opt_state is None else opt_state
+    sched = scheduler.state_dict()
     for group in opt["param_groups"]:  # state_dict() made these dicts: the live groups keep theirs
         group["lr"] = float(group["lr"])
     sched["_last_lr"] = [float(lr) for lr in sched["_last_lr"]]

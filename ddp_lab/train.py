@@ -35,6 +35,7 @@ from torch import nn
 from ddp_lab import checkpoint, provenance, trace
 from ddp_lab.cli import run_hydra_app, setup_logging
 from ddp_lab.config import Config, ConfigError, check_steps_reachable, validate
+from ddp_lab.cost.memory import MEMORY_KEYS, HeldMemory, predict_held
 from ddp_lab.data import Data, build_data
 from ddp_lab.dist import DistInfo, Heartbeat, collective_errors, destroy_group, init_group
 from ddp_lab.fault import Faults
@@ -42,7 +43,7 @@ from ddp_lab.graph import EAGER_CALLS, GraphedTrainStep, check_supported
 from ddp_lab.guard import Guard, assert_finite
 from ddp_lab.metrics import NullLogger, StepTimer, make_logger, medians, with_exposed_comm
 from ddp_lab.models import build_model
-from ddp_lab.optim import build_optimizer, build_scheduler, float_lrs
+from ddp_lab.optim import build_scheduler, float_lrs, optimizer_class
 from ddp_lab.precision import Precision, setup_precision
 from ddp_lab.sync import GradSync, build_sync
 from ddp_lab.trace import Tracer
@@ -118,6 +119,7 @@ class Run:
     guard: Guard = None
     faults: Faults = None
     tracer: Tracer | None = None  # train.trace: a timeline of a few steps
+    memory: HeldMemory = None  # bytes this rank holds, counted at the first optimizer step
     start_step: int = 0  # the checkpoint's step when resuming
     local_backward_ms: float | None = None  # backward without communication (calibrated)
     compiled_before: int = 0  # graphs torch.compile had made before this run
@@ -145,12 +147,14 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     precision = setup_precision(cfg.precision, device, tcfg.cudnn_benchmark)
     sync = build_sync(cfg.sync, info)
     closing.callback(sync.close)  # its communication thread stops before the group does
+    precision.scaler = sync.grad_scaler(precision.scaler)  # ZeRO: each rank sees a shard
     sync.tracer = Tracer(device) if tcfg.trace else None  # (DDP's hook is installed in prepare)
     compiled_before = compiled_graphs()
     train_model = sync.prepare(model)  # the model with our hooks installed, or DDP's wrapper
     if tcfg.compile:
         train_model = compile_model(train_model, device, tcfg.compile_mode)
-    optimizer = build_optimizer(cfg.optim, model.parameters(), device)
+    # ZeRO (sync.zero): over this rank's shards only; its step ends gathering the parameters
+    optimizer = sync.build_optimizer(model, *optimizer_class(cfg.optim, device))
     steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
     total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
     check_steps_reachable(cfg, total_steps, f"{tcfg.epochs} epochs of {steps_per_epoch} steps")
@@ -161,7 +165,8 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
               steps_per_epoch, total_steps, min(total_steps, tcfg.stop_at_step or total_steps),
               tcfg.batch_size * tcfg.accum_steps * info.world_size, memory_format,
               _make_timer(tcfg, device), compiled_before=compiled_before,
-              loss_sum=torch.zeros((), device=device))
+              loss_sum=torch.zeros((), device=device),
+              memory=HeldMemory(model, optimizer, sync))
     checkpoint.check_keep_every(tcfg.keep_every, tcfg.checkpoint_every, steps_per_epoch)
     if info.is_main:
         for stale in checkpoint.clean_stale_temporaries(run_dir):
@@ -191,7 +196,7 @@ def restore(run: Run, resumed: dict) -> None:
     """Continue from a checkpoint: weights, optimizer, schedule, loss scale, every RNG, step."""
     checkpoint.check_position(resumed, run.steps_per_epoch, run.cfg.train.accum_steps)
     run.model.load_state_dict(resumed["model"])
-    run.optimizer.load_state_dict(resumed["optimizer"])
+    run.sync.load_optimizer_state(run.optimizer, resumed["optimizer"])  # ZeRO: this rank's shard
     run.scheduler.load_state_dict(resumed["scheduler"])
     run.precision.scaler.load_state_dict(resumed["scaler"])
     checkpoint.set_rng_state(resumed["rng"][run.info.rank], run.info.device)
@@ -337,7 +342,7 @@ def train_step(run: Run, step: int, batches: list, mark: Callable[[str], None]) 
     mark("guard")
     if run.cfg.optim.grad_clip > 0:
         run.precision.scaler.unscale_(run.optimizer)
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.optim.grad_clip)
+        run.sync.clip_grad_norm_(run.optimizer, run.cfg.optim.grad_clip)  # ZeRO: over all shards
     run.precision.scaler.step(run.optimizer)  # skipped on every rank alike if grads hold inf/NaN
     run.precision.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
@@ -413,9 +418,11 @@ def save_checkpoint(run: Run, step: int) -> None:
     """Rank 0 writes everything the next step depends on; every rank waits until it is on disk."""
     assert_finite(run.model, run.optimizer, step)  # a NaN never reaches a checkpoint
     rng = checkpoint.gather_rng_states(run.info.device)
+    optimizer = run.sync.optimizer_state(run.optimizer)  # collective: ZeRO gathers the shards
     if run.info.is_main:
         spe, accum = run.steps_per_epoch, run.cfg.train.accum_steps
-        state = {"model": run.model.state_dict(), **float_lrs(run.optimizer, run.scheduler),
+        state = {"model": run.model.state_dict(),
+                 **float_lrs(run.optimizer, run.scheduler, optimizer),
                  "scaler": run.precision.scaler.state_dict(), "step": step, "epoch": step // spe,
                  "epoch_batch": (step % spe) * accum, "rng": rng,
                  "config_digest": checkpoint.config_digest(run.cfg_dict, run.info.world_size),
@@ -450,6 +457,7 @@ def write_summary(run: Run) -> dict:
         "comm_bytes_per_step": run.sync.bytes_per_step(),
         "comm": run.sync.comm_stats(),
         "parameters": sum(p.numel() for p in run.model.parameters()),
+        "memory": memory_block(run),
         "compiled_graphs": compiled_graphs() - run.compiled_before,
         **run.guard.summary(),
     }
@@ -471,6 +479,20 @@ def write_summary(run: Run) -> dict:
         log.info("done: %d steps, val accuracy %.4f, %.0f img/s -> %s", run.stop_step,
                  run.val_accuracy, summary["train_img_per_s"], run.run_dir)
     return summary
+
+
+def memory_block(run: Run) -> dict:
+    """Collective: the bytes each rank held (lists by rank, counted), and those predicted."""
+    every = [None] * run.info.world_size
+    dist.all_gather_object(every, run.memory.counted)
+    counted = {k: [None if c is None else c[k] for c in every] for k in MEMORY_KEYS}
+    params = [p.numel() for p in run.model.parameters()]
+    s, o = run.cfg.sync, run.cfg.optim
+    states = {"adamw": 2, "sgd": int(o.momentum > 0)}[o.name]
+    comm_elem = {"fp32": 4, "bf16": 2, "fp16": 2}[s.comm_dtype]
+    predicted = predict_held(sum(params), max(params), run.info.world_size, s.name, s.zero,
+                             states, s.bucket_mb * 2**20, comm_elem)
+    return {**counted, "predicted": predicted, "zero": s.zero}
 
 
 def _gather_floats(value: float, device) -> list[float]:

@@ -55,6 +55,12 @@ REFUSED = [  # (overrides, what the message says)
      "sync.gradient_as_bucket_view=true has no effect with sync=ring, only with sync=ddp"),
     (["sync=tree", "sync.static_graph=true"],
      "sync.static_graph=true has no effect with sync=tree"),
+    # ZeRO: a stage that does not exist, nothing to shard over, or a stage torch's does not have
+    (["sync=ring", "sync.zero=3"], "sync.zero=3 is not one of 0, 1, 2"),
+    (["sync=ring", "sync.zero=-1"], "sync.zero=-1 is not one of 0, 1, 2"),
+    (["sync=none", "sync.zero=1"], "sync.zero=1 has no effect with sync=none, only with "
+                                   "sync=ddp|naive|ring|tree; leave it at 0"),
+    (["sync=ddp", "sync.zero=2"], "sync.zero=2 with sync=ddp: torch's ZeroRedundancyOptimizer"),
     (["precision=fp32", "precision.init_scale=1024"],
      "precision.init_scale=1024.0 has no effect with precision.grad_scaler=false"),
     (["optim=adamw", "optim.nesterov=true"], "optim.nesterov=true has no effect with optim=adamw"),
@@ -118,6 +124,8 @@ ACCEPTED = [  # every group option with the others' defaults, and the combinatio
     ["fault.kill_rank=1", "fault.at_step=3"], ["fault.hang_rank=0", "fault.at_step=1",
                                                "fault.hang_s=2"],
     ["fault.nan_at_step=2", "fault.nan_rank=1", "fault.nan_value=inf"],
+    ["sync=ring", "sync.zero=2", "sync.comm_dtype=bf16"], ["sync=tree", "sync.zero=1"],
+    ["sync=ddp", "sync.zero=1"],
 ]
 
 

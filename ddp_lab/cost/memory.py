@@ -74,6 +74,38 @@ def training_bytes(params: float, scheme: str = "fp32", optimizer: str = "sgd_mo
     return out
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def zero_bytes(params: float, stage: int, world_size: int, scheme: str = "mixed",
+               optimizer: str = "adam") -> dict:
+    """Bytes per GPU of the training state under ZeRO stage `stage` on `world_size` GPUs (the
+    Ultra-Scale Playbook's table): stage 1 shards the optimizer states and master copies, 2 the
+    gradients too, 3 the weights too (ZeRO-3 / FSDP); 0 is plain data parallelism.
+    Mixed precision + Adam, P params: 0: 16P; 1: 4P + 12P/N; 2: 2P + 14P/N; 3: 16P/N."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage}")
+    b = training_bytes(params, scheme, optimizer)
+    split = {k: b[k] / world_size if stage >= first else b[k] for k, first in
+             (("optimizer", 1), ("master", 1), ("grads", 2), ("weights", 3))}
+    split["total"] = sum(split.values())
+    return split
+
+
+def gpus_for_zero(params: float, stage: int, gpu_gb: float, scheme: str = "mixed",
+                  optimizer: str = "adam") -> int | None:
+    """The fewest GPUs of `gpu_gb` GB whose per-GPU share at ZeRO `stage` fits (training state
+    only: activations come on top); None when no number does (what stays whole is too big)."""
+    b = training_bytes(params, scheme, optimizer)
+    whole = sum(b[k] for k, first in (("optimizer", 1), ("master", 1), ("grads", 2),
+                                       ("weights", 3)) if stage < first)
+    sharded = b["total"] - whole
+    room = gpu_gb * GB - whole
+    if room <= 0:
+        return None
+    return max(1, math.ceil(sharded / room)) if sharded else 1
+
+
 def inference_bytes(params: float, dtype: str = "bf16") -> float:
     """Bytes of the weights alone in `dtype` (no activations, no KV cache)."""
     return params * BYTES[dtype]
@@ -212,3 +244,69 @@ def predict_training_memory(model: nn.Module, batch: int, image_size: int, preci
     out["total"] = sum(out[k] for k in ("weights", "grads", "optimizer", "autocast_copies",
                                          "input", "activations"))
     return out
+
+
+# ---- what a training run holds, counted and predicted (summary.json's memory block) -----------
+
+MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "comm_buffer_bytes")
+
+
+class HeldMemory:
+    """Bytes this rank holds, counted from tensor storages (a storage shared by several tensors,
+    e.g. views into one flat buffer, counted once, in the first of: parameters, gradients,
+    optimizer state, the sync's buffers), at the end of the first optimizer step that runs: the
+    gradients are still there, the optimizer state just made. Gradients: the `.grad` of the
+    model's parameters and of the optimizer's tensors (with ZeRO, its shards)."""
+
+    def __init__(self, model, optimizer, sync):
+        self.model, self.optimizer, self.sync = model, optimizer, sync
+        self.counted: dict | None = None
+        self._hook = optimizer.register_step_post_hook(lambda *_: self.count())
+
+    def count(self) -> None:
+        self._hook.remove()
+        opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: its part
+        params = list(self.model.parameters())
+        optimized = [p for g in opt.param_groups for p in g["params"]]
+        buffers = self.sync.comm_buffers()
+        seen: set = set()
+        self.counted = {
+            "params_bytes": _storage_bytes(params, seen),
+            "grads_bytes": _storage_bytes([p.grad for p in params + optimized], seen),
+            "optimizer_state_bytes": _storage_bytes(
+                [v for s in opt.state.values() for v in s.values()], seen),
+            "comm_buffer_bytes": None if buffers is None else _storage_bytes(buffers, seen)}
+
+
+def _storage_bytes(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        if not torch.is_tensor(t):
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def predict_held(numel: int, largest: int, world_size: int, sync: str, zero: int,
+                 states: int, bucket_bytes: float, comm_elem: int, elem: int = 4) -> dict:
+    """What a ddp_lab run should hold per rank, by design (fp32 parameters: precision=bf16|fp16
+    autocasts, it does not store 16-bit copies): `numel` parameters (the largest has `largest`),
+    `states` optimizer tensors per element, on `world_size` ranks.
+      ours (naive|ring|tree): zero=0 gradients P and buckets P (a flat copy to all-reduce);
+        zero>=1 the shards' gradients P/N, state P/N; buckets P at zero=1, the largest one
+        (~sync.bucket_mb, or the largest parameter) at zero=2.
+      ddp: gradients P; its buckets are inside its C++ reducer (None: not counted); zero=1 state
+        P/N (ZeroRedundancyOptimizer assigns whole parameters: a rank's share can be uneven).
+    AdamW's step counters (4 B per tensor) are left out."""
+    n, p = world_size, numel * elem
+    ours, sharded = sync in ("naive", "ring", "tree"), zero >= 1
+    comm = None if sync == "ddp" else 0 if sync == "none" else (
+        min(max(bucket_bytes // comm_elem, largest), numel) * comm_elem if zero == 2
+        else numel * comm_elem)
+    return {"params_bytes": p,
+            "grads_bytes": p / n if ours and sharded else p,
+            "optimizer_state_bytes": states * p / (n if sharded else 1),
+            "comm_buffer_bytes": comm}

@@ -8,6 +8,7 @@ from ddp_lab.sync.base import GradSync
 from ddp_lab.sync.bucketed import BucketedSync
 from ddp_lab.sync.ddp import DDPSync
 from ddp_lab.sync.none import NoSync
+from ddp_lab.sync.zero import ShardedSync
 
 
 def build_sync(scfg, info: DistInfo) -> GradSync:
@@ -19,8 +20,10 @@ def build_sync(scfg, info: DistInfo) -> GradSync:
     if scfg.name == "ddp":
         return DDPSync(scfg, info.device, info.world_size)
     if scfg.name in ("naive", "ring", "tree"):
+        if scfg.zero:  # ZeRO: each rank updates its shard of every bucket
+            return ShardedSync(scfg, info.device, info.world_size)
         return BucketedSync(scfg, info.device, info.world_size)
     raise ConfigError(f"sync={scfg.name} is not available yet")
 
 
-__all__ = ["BucketedSync", "DDPSync", "GradSync", "NoSync", "build_sync"]
+__all__ = ["BucketedSync", "DDPSync", "GradSync", "NoSync", "ShardedSync", "build_sync"]

@@ -4,13 +4,16 @@ The loop does, every step:
     with sync.no_sync():  ... forward + backward ...   # every micro-step but the last
     ... forward + backward ...                         # last micro-step: communication starts
     sync.finish()                                      # grads are now averaged over all ranks
-and never asks which algorithm it is talking to.
+and never asks which algorithm it is talking to. The optimizer is the sync's too
+(`build_optimizer`): with ZeRO (sync.zero) each rank's optimizer holds and updates only its
+shard, so clipping, loss-scale checks and checkpoints of the optimizer go through the sync.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 
 
@@ -49,3 +52,33 @@ class GradSync:
 
     def close(self) -> None:
         """Remove hooks and stop helper threads (optional: they are daemons)."""
+
+    # ---- the optimizer: every parameter here; with ZeRO, this rank's shard (sync/zero.py) ----
+
+    def build_optimizer(self, model: nn.Module, cls: type, kwargs: dict) -> torch.optim.Optimizer:
+        """The optimizer (`cls(params, **kwargs)`) over what this rank updates."""
+        return cls(model.parameters(), **kwargs)
+
+    def grad_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
+        """fp16's GradScaler, made to agree across ranks where each sees part of the gradients."""
+        return scaler
+
+    def clip_grad_norm_(self, optimizer, max_norm: float) -> torch.Tensor:
+        """Clip the optimizer's gradients to a global L2 norm of `max_norm`; return the norm."""
+        return torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm)
+
+    def optimizer_state(self, optimizer) -> dict | None:
+        """Collective: the optimizer's whole (unsharded) state dict, complete on rank 0."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        """Load a whole (unsharded) state dict, as `optimizer_state` makes them."""
+        optimizer.load_state_dict(state)
+
+    def comm_buffers(self) -> list[torch.Tensor]:
+        """The sync's own buffers (buckets, scratch), for the memory count (summary.json)."""
+        return []
+
+
+def _params(optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -4,7 +4,8 @@ prepare(model)
     Broadcast parameters and buffers from rank 0, so every replica starts equal. Cut the gradients
     into buckets of at most `sync.bucket_mb` MiB (in the dtype they travel in) in *reverse*
     parameter order, the order backward produces them; a parameter larger than a bucket gets one
-    of its own. Each bucket owns a flat buffer for the step's all-reduce (allocated once).
+    of its own. Each bucket owns a flat buffer for the step's all-reduce (allocated once), each
+    parameter's slice laid out as the parameter is (channels_last too).
 
 overlap=false
     finish() does it all: for each bucket in order, pack the grads into its buffer, all-reduce,
@@ -68,7 +69,7 @@ class Bucket:
     index: int
     params: list[nn.Parameter]
     buffer: torch.Tensor  # flat, in the dtype the gradients travel in
-    views: list[torch.Tensor]  # buffer slices shaped like each parameter
+    views: list[torch.Tensor]  # buffer slices shaped (and strided) like each parameter
 
     @property
     def nbytes(self) -> int:
@@ -129,15 +130,20 @@ class BucketedSync(GradSync):
             cur_key = key
         if cur:
             groups.append((cur, cur_key))
+        buffers = self._bucket_buffers([(sum(p.numel() for p in ps), dtype, device)
+                                        for ps, (device, dtype) in groups])
         buckets = []
-        for i, (ps, (device, dtype)) in enumerate(groups):
-            buffer = torch.zeros(sum(p.numel() for p in ps), dtype=dtype, device=device)
+        for i, ((ps, _), buffer) in enumerate(zip(groups, buffers)):
             views, off = [], 0
             for p in ps:
-                views.append(buffer[off:off + p.numel()].view(p.shape))
+                views.append(view_like(buffer, off, p))
                 off += p.numel()
             buckets.append(Bucket(i, ps, buffer, views))
         return buckets
+
+    def _bucket_buffers(self, sizes: list[tuple]) -> list[torch.Tensor]:
+        """A flat buffer per bucket, (numel, dtype, device) each, kept for the whole run."""
+        return [torch.zeros(numel, dtype=dtype, device=device) for numel, dtype, device in sizes]
 
     # ---- the step ----
 
@@ -183,7 +189,7 @@ class BucketedSync(GradSync):
         if not self.buckets:
             return
         for p in self.params:  # no gradient this step (unused parameter): it contributes zeros
-            if p.grad is None:
+            if p.grad is None and id(p) not in self._ready_params:  # (ZeRO drops sent ones)
                 p.grad = torch.zeros_like(p)  # on the training stream, see the module docstring
         if not self.overlap and self._tracing():  # (no hooks: every bucket is ready now)
             now = self.tracer.stamp()
@@ -206,35 +212,43 @@ class BucketedSync(GradSync):
 
     def _reduce_bucket(self, b: int, ready_event) -> None:
         """Pack, all-reduce, average, unpack one bucket (the communication thread, or finish())."""
-        bucket, n = self.buckets[b], self.world_size
+        bucket = self.buckets[b]
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         with torch.no_grad():
+            self._pack(bucket)
+            self._communicate(b, comm.all_reduce, bucket.buffer)
             for p, view in zip(bucket.params, bucket.views):
-                if self.comm_dtype is None:
-                    view.copy_(p.grad)
-                else:  # divide before casting down: the fp16 sum of averages cannot overflow
-                    torch.div(p.grad, n, out=view)
-            with recording(self._recorder):
-                if self.cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    comm.all_reduce(bucket.buffer, self.algo, self.group)
-                    end.record()
-                    self._busy_events.append((start, end))
-                else:
-                    start = time.perf_counter()
-                    comm.all_reduce(bucket.buffer, self.algo, self.group)
-                    end = time.perf_counter()
-                    self._busy_s += end - start
-            if self._tracing():  # the same stamps as the busy time: the two agree exactly
-                self.tracer.span("comm", "allreduce", start, end, bucket=b, bytes=bucket.nbytes,
-                                 algo=self.algo)
-            for p, view in zip(bucket.params, bucket.views):
-                if self.comm_dtype is None and n > 1:
-                    torch.div(view, n, out=p.grad)  # SUM then divide, fused into the unpack
+                if self.comm_dtype is None and self.world_size > 1:
+                    torch.div(view, self.world_size, out=p.grad)  # SUM then divide, in the unpack
                 else:
                     p.grad.copy_(view)  # (low dtype: divided before the cast already)
+
+    def _pack(self, bucket: Bucket) -> None:
+        for p, view in zip(bucket.params, bucket.views):
+            if self.comm_dtype is None:
+                view.copy_(p.grad)
+            else:  # divide before casting down: the fp16 sum of averages cannot overflow
+                torch.div(p.grad, self.world_size, out=view)
+
+    def _communicate(self, b: int, collective, *tensors, span: str = "allreduce") -> None:
+        """`collective(*tensors, algo, group)` for bucket b: counted, timed (comm_busy_ms) and
+        traced (a `span` on the comm lane)."""
+        with recording(self._recorder):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                collective(*tensors, self.algo, self.group)
+                end.record()
+                self._busy_events.append((start, end))
+            else:
+                start = time.perf_counter()
+                collective(*tensors, self.algo, self.group)
+                end = time.perf_counter()
+                self._busy_s += end - start
+        if self._tracing():  # the same stamps as the busy time: the two agree exactly
+            self.tracer.span("comm", span, start, end, bucket=b, bytes=tensors[0].nbytes,
+                             algo=self.algo, op=collective.__name__)
 
     def _end_step(self) -> None:
         self._last = {"bytes_per_step": self._recorder.bytes_sent,
@@ -279,6 +293,9 @@ class BucketedSync(GradSync):
                 "bytes_per_step": self.bytes_per_step(), "comm_busy_ms": self.comm_busy_ms(),
                 "buckets_launched_in_backward": self._last["launched_in_backward"]}
 
+    def comm_buffers(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.buckets]
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -286,6 +303,15 @@ class BucketedSync(GradSync):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def view_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """flat[offset : offset + p.numel()] as a tensor of p's shape and memory layout (strides):
+    a channels_last weight's gradient then packs and unpacks as one straight copy."""
+    dense = p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
+    if dense and flat.is_contiguous():
+        return flat.as_strided(p.shape, p.stride(), flat.storage_offset() + offset)
+    return flat[offset:offset + p.numel()].view(p.shape)
 
 
 class _Disabled(contextlib.AbstractContextManager):

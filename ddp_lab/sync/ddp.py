@@ -1,4 +1,7 @@
-"""sync=ddp: torch's DistributedDataParallel, the reference every other sync is checked against."""
+"""sync=ddp: torch's DistributedDataParallel, the reference every other sync is checked against;
+with sync.zero=1 its optimizer is torch's ZeroRedundancyOptimizer (ZeRO-1: each rank holds the
+state of, and updates, whole parameters assigned to it, then broadcasts them), the reference for
+sync=naive|ring|tree sync.zero=1 (ddp_lab/sync/zero.py)."""
 
 from __future__ import annotations
 
@@ -90,6 +93,19 @@ class DDPSync(GradSync):
 
     def no_sync(self):
         return self.ddp.no_sync()
+
+    def build_optimizer(self, model: nn.Module, cls: type, kwargs: dict) -> torch.optim.Optimizer:
+        if not self.cfg.zero:
+            return super().build_optimizer(model, cls, kwargs)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
+
+    def optimizer_state(self, optimizer) -> dict | None:
+        if not self.cfg.zero:
+            return super().optimizer_state(optimizer)
+        optimizer.consolidate_state_dict(to=0)  # collective: every rank's part, to rank 0
+        return optimizer.state_dict() if dist.get_rank() == 0 else None
 
     def bytes_per_step(self) -> int:
         # Estimated, not counted (DDP's traffic is inside the backend): DDP's ring (NCCL or gloo) moves 2(N-1)/N of the gradient bytes per rank.

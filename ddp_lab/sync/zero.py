@@ -1,0 +1,251 @@
+"""sync=naive|ring|tree sync.zero=1|2: ZeRO, a small step from the bucketed sync (bucketed.py).
+
+Plain data parallelism keeps N copies of everything: every rank holds the whole optimizer state
+and makes the same update. ZeRO (Rajbhandari et al., 2020) shards what only the update needs:
+rank r keeps optimizer state for shard r of the parameters only and updates only that shard, and
+the ranks then all-gather the updated shards, so the replicas are equal again. Here a shard is
+per bucket: bucket b's flat parameters cut as `comm.shard` cuts (torch.tensor_split, rank r's is
+piece r).
+
+prepare(model)
+    BucketedSync's buckets (hooks, communication thread, overlap with backward: all as there),
+    and for each bucket a flat buffer of its parameters: every parameter becomes a view into it,
+    laid out as it was (channels_last too), so gathering a bucket's shards puts its parameters in
+    place. This rank's optimizer (`build_optimizer`) gets one tensor per bucket: its shard of that
+    buffer, a view, so updating the shard updates the model.
+the step
+    zero=1  each bucket is all-reduced, as at zero=0: the full averaged gradient, in the bucket.
+    zero=2  each bucket is reduce-scattered: this rank gets the sum of its shard only, and sends
+            (N-1)/N of the bucket instead of 2(N-1)/N. The rest of the bucket is scratch, so all
+            buckets pack into one buffer of the largest one's size, one bucket at a time.
+    Then this rank's shard of the sum, divided by N, becomes the shard's .grad (a tensor of 1/N
+    of the bucket, kept across steps), and the model's .grad of the bucket's parameters is
+    released: nothing reads it again. After `optimizer.step()` (a hook the optimizer runs after
+    every step) each bucket's parameters are all-gathered, at the end of the step, on the
+    training thread: the next forward reads every parameter.
+numerics
+    The buckets are those of zero=0, summed in the same order (zero=1: the same all-reduce;
+    zero=2: naive and tree reduce as their all-reduce does; the ring does from N = 3 on in another
+    order: comm/ring.py), divided the same way, and the optimizer's arithmetic is elementwise.
+everything else that reads gradients reads the shards'
+    GradScaler's unscale and inf/NaN check (each rank sees its shard only: `ShardedScaler` takes
+    the max of every rank's verdict, so all skip alike), the guard's non-finite check (its flags
+    are all-reduced anyway), clipping (`clip_grad_norm_`: the shards' squared norms summed over
+    the ranks).
+checkpoints
+    `optimizer_state` gathers every rank's shards into the state dict the unsharded optimizer
+    would have (per parameter, in model order: what zero=0 writes); `load_optimizer_state` takes
+    this rank's shard of one. A checkpoint is the same at any stage and loads at any world size.
+memory per rank (P parameter bytes, fp32)
+    parameters P; gradients P/N (the shards'); optimizer state k P / N (k = 1 for SGD momentum,
+    2 for AdamW); buckets P at zero=1 (the all-reduce needs the whole), the largest bucket at
+    zero=2. (zero=0: gradients P and buckets P; state k P.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_lab import comm
+from ddp_lab.config import ConfigError
+from ddp_lab.sync.bucketed import Bucket, BucketedSync, view_like
+
+
+class ShardedSync(BucketedSync):
+    def __init__(self, scfg, device: torch.device, world_size: int, group=None):
+        super().__init__(scfg, device, world_size, group)
+        self.stage = int(scfg.zero)
+        self.rank = dist.get_rank(group)
+        self.model_params: list[nn.Parameter] = []  # every parameter, model order (checkpoints)
+        self.flats: list[torch.Tensor] = []  # per bucket: its parameters, one flat buffer
+        self.shards: list[torch.Tensor] = []  # per bucket: this rank's shard of it (a view)
+        self.grads: list[torch.Tensor] = []  # per bucket: the shard's gradient, kept across steps
+        self._gather_bytes = 0  # sent by the last all-gather of the parameters
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        super().prepare(model)  # rank 0's parameters everywhere, buckets, hooks
+        self.model_params = list(model.parameters())
+        with torch.no_grad():
+            for bucket in self.buckets:
+                flat = _flat_params(bucket)
+                self.flats.append(flat)
+                self.shards.append(comm.shard(flat, self.rank, self.world_size))
+                self.grads.append(torch.zeros_like(self.shards[-1]))
+        return model
+
+    def _bucket_buffers(self, sizes: list[tuple]) -> list[torch.Tensor]:
+        if self.stage < 2:
+            return super()._bucket_buffers(sizes)
+        # zero=2: the buckets are scratch, used one at a time: one buffer of the largest
+        scratch = {}
+        for numel, dtype, device in sizes:
+            if numel > scratch.get((dtype, device), torch.empty(0)).numel():
+                scratch[(dtype, device)] = torch.zeros(numel, dtype=dtype, device=device)
+        return [scratch[(dtype, device)][:numel] for numel, dtype, device in sizes]
+
+    # ---- the step ----
+
+    def _reduce_bucket(self, b: int, ready_event) -> None:
+        """Pack, reduce, keep this rank's shard of the average (the communication thread, or
+        finish())."""
+        bucket, n = self.buckets[b], self.world_size
+        if ready_event is not None:
+            torch.cuda.current_stream().wait_event(ready_event)
+        with torch.no_grad():
+            self._pack(bucket)
+            mine = comm.shard(bucket.buffer, self.rank, n)
+            if self.stage == 1:
+                self._communicate(b, comm.all_reduce, bucket.buffer)
+            else:
+                self._communicate(b, comm.reduce_scatter, bucket.buffer, mine)
+            if self.comm_dtype is None and n > 1:
+                torch.div(mine, n, out=self.grads[b])  # SUM then divide, as zero=0 unpacks
+            else:
+                self.grads[b].copy_(mine)  # (low dtype: divided before the cast already)
+            self.shards[b].grad = self.grads[b]
+            for p in bucket.params:  # packed: the optimizer reads the shard's gradient
+                if self.cuda:  # freed on this stream's side: not reused before the pack ran
+                    p.grad.record_stream(torch.cuda.current_stream())
+                p.grad = None
+
+    def gather_params(self) -> None:
+        """Every rank's updated shards into every bucket's parameters (after optimizer.step).
+        Counted with the next step's reduction (bytes_per_step: from one finish() to the next)."""
+        before = self._recorder.bytes_sent
+        with torch.no_grad():
+            for b, (shard, flat) in enumerate(zip(self.shards, self.flats)):
+                self._communicate(b, comm.all_gather, shard, flat, span="all_gather")
+        self._gather_bytes = self._recorder.bytes_sent - before
+
+    def comm_stats(self) -> dict:
+        return {**super().comm_stats(), "zero": self.stage,
+                "gather_bytes_per_step": self._gather_bytes,
+                "shard_numel": [s.numel() for s in self.shards]}
+
+    def comm_buffers(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self.buckets]  # (zero=2: views of one scratch)
+
+    # ---- the optimizer over this rank's shards ----
+
+    def build_optimizer(self, model: nn.Module, cls: type, kwargs: dict) -> torch.optim.Optimizer:
+        optimizer = cls(self.shards, **kwargs)  # optimizer parameter b: bucket b's shard
+        optimizer.register_step_post_hook(lambda *_: self.gather_params())
+        return optimizer
+
+    def grad_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
+        if not scaler.is_enabled():
+            return scaler
+        return ShardedScaler(scaler._device, scaler._init_scale, scaler._growth_factor,  # noqa: SLF001
+                             scaler._backoff_factor, scaler._growth_interval,  # noqa: SLF001
+                             group=self.group)
+
+    def clip_grad_norm_(self, optimizer, max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ over the whole gradient, from the shards: the global norm is
+        the square root of the shards' squared norms summed over the ranks."""
+        grads = [g for g in self.grads if g.numel()]
+        total = torch.zeros(1, device=self.device)
+        if grads:
+            total += torch.stack(torch._foreach_norm(grads, 2.0)).pow(2).sum()
+        dist.all_reduce(total, group=self.group)
+        total = total.sqrt().squeeze(0)
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    def optimizer_state(self, optimizer) -> dict | None:
+        """Collective: rank 0 gets every rank's shards as one unsharded state dict."""
+        mine = optimizer.state_dict()
+        local = {b: {k: _cpu(v) for k, v in s.items()} for b, s in mine["state"].items()}
+        every = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(local, every, dst=_global(self.group, 0), group=self.group)
+        if self.rank != 0:
+            return None
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        state = {}
+        for b, bucket in enumerate(self.buckets):
+            if b not in every[0]:
+                continue  # no state yet (before the first step)
+            whole = {k: v if k in SCALARS else torch.cat([s[b][k] for s in every])
+                     for k, v in every[0][b].items()}
+            for p, off in _offsets(bucket):
+                state[index[id(p)]] = {k: (v if k in SCALARS else view_like(v, off, p)).clone()
+                                       for k, v in whole.items()}
+        groups = [dict(g, params=list(range(len(self.model_params))))
+                  for g in mine["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        """This rank's shards of an unsharded state dict (any stage, any world size wrote it)."""
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        shards = {}
+        for b, bucket in enumerate(self.buckets):
+            first = state["state"].get(index[id(bucket.params[0])])
+            if first is None:
+                continue  # (a checkpoint of step 0)
+            shards[b] = {}
+            for k, v in first.items():
+                if k in SCALARS:
+                    shards[b][k] = v
+                    continue
+                flat = torch.empty(self.flats[b].numel(), dtype=v.dtype)
+                for p, off in _offsets(bucket):
+                    view_like(flat, off, p).copy_(state["state"][index[id(p)]][k])
+                shards[b][k] = comm.shard(flat, self.rank, self.world_size).clone()
+        groups = [dict(g, params=list(range(len(self.shards)))) for g in state["param_groups"]]
+        optimizer.load_state_dict({"state": shards, "param_groups": groups})
+
+
+# Optimizer state with one value per parameter (per shard here), not one per element.
+SCALARS = ("step",)
+
+
+class ShardedScaler(torch.amp.GradScaler):
+    """GradScaler whose inf/NaN verdict is every rank's: each unscales and checks only its shards,
+    so the verdicts are all-reduced (max: a fused optimizer skips on exactly 1.0) before anything
+    reads them, and every rank skips, or not, and moves its scale alike."""
+
+    def __init__(self, device, init_scale, growth_factor, backoff_factor, growth_interval,
+                 group=None):
+        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval)
+        self.group = group
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if not found:  # no gradient here at all: still take part
+            found = {found_inf.device: found_inf}
+        for flag in found.values():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return found
+
+
+def _flat_params(bucket: Bucket) -> torch.Tensor:
+    """One flat buffer holding the bucket's parameters, which become views into it."""
+    dtypes = {p.dtype for p in bucket.params}
+    if len(dtypes) > 1:
+        raise ConfigError(f"sync.zero: a bucket holds parameters of dtypes {sorted(map(str, dtypes))}"
+                          "; ZeRO shards one flat buffer per bucket, of one dtype (use "
+                          "sync.comm_dtype=fp32, which buckets each dtype apart)")
+    p0 = bucket.params[0]
+    flat = torch.empty(sum(p.numel() for p in bucket.params), dtype=p0.dtype, device=p0.device)
+    for p, off in _offsets(bucket):
+        view = view_like(flat, off, p)
+        view.copy_(p)
+        p.data = view
+    return flat
+
+
+def _offsets(bucket: Bucket):
+    off = 0
+    for p in bucket.params:
+        yield p, off
+        off += p.numel()
+
+
+def _cpu(v):
+    return v.detach().cpu() if torch.is_tensor(v) else v
+
+
+def _global(group, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank

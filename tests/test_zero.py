@@ -1,0 +1,372 @@
+"""ZeRO (sync.zero=1|2, ddp_lab/sync/zero.py) on real gloo process groups, in process (no
+torchrun), against named references: the same sync at zero=0 (the same buckets summed in the same
+order); torch DDP, with torch's ZeroRedundancyOptimizer at zero=1; one process on the whole batch.
+Several steps of a small CNN (tests/test_sync.py's), dropout-free, the same on every rank.
+
+What is bitwise and why: with optim.impl=foreach (the optimizer's arithmetic does not depend on
+where an element sits in its tensor) zero=1 (the very same all-reduce) and zero=2 of naive and tree
+(their reduce-scatter sums in their all-reduce's order) equal zero=0 bitwise, and so does the
+ring at N=2 (a + b = b + a); the ring's reduce-scatter from N=3 on adds in another order (comm/
+ring.py): within 1e-6. The fused SGD kernel on CPU rounds an element differently in its vector
+body and in its scalar tail (FMA), so the same element at another offset of a shard can differ
+by an ulp: within 1e-6 (the default optim.impl=fused). Clipping sums the shards' squared norms
+over the ranks where torch takes the norm of per-tensor norms: within 1e-6.
+AdamW against DDP or one process: its first updates are lr * m / (sqrt(v) + eps), about
+lr * sign(g) wherever |g| >> eps, so a gradient that is ~0 up to rounding (summed in another
+order) can move its weight by up to 2 lr a step the other way. Held to: every element within
+2 lr x steps, and all but a few within 1e-6.
+"""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spawn_helpers import spawn
+from test_sync import batch, make_model
+
+STEPS, LR, CLIP = 4, 0.05, 0.05
+OPTIMS = {"sgd": (torch.optim.SGD, dict(lr=LR, momentum=0.9, weight_decay=5e-4)),
+          "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=5e-4))}
+
+
+def scfg(name, zero=0, overlap=True, comm_dtype="fp32", bucket_mb=0.001):
+    return SimpleNamespace(name=name, zero=zero, overlap=overlap, comm_dtype=comm_dtype,
+                           bucket_mb=bucket_mb, gradient_as_bucket_view=False, static_graph=False)
+
+
+def make_sync(cfg, n):
+    from ddp_lab.sync import BucketedSync, DDPSync, ShardedSync
+
+    if cfg.name == "ddp":
+        return DDPSync(cfg, torch.device("cpu"), n)
+    return (ShardedSync if cfg.zero else BucketedSync)(cfg, torch.device("cpu"), n)
+
+
+def train(rank, n, cfg, optim, impl="foreach", accum=1, clip=0.0):
+    """STEPS steps of the small CNN; returns (parameters, the sync, its optimizer, the model)."""
+    model = make_model(seed=rank)  # rank 0's parameters are broadcast by prepare()
+    sync = make_sync(cfg, n)
+    wrapped = sync.prepare(model)
+    cls, kwargs = OPTIMS[optim]
+    opt = sync.build_optimizer(model, cls, dict(kwargs, **_impl(impl)))
+    for step in range(STEPS):
+        for micro in range(accum):
+            x, y = batch(rank, step, micro)
+            with sync.no_sync() if micro < accum - 1 else _null():
+                (nn.functional.cross_entropy(wrapped(x), y) / accum).backward()
+        sync.finish()
+        if clip:
+            sync.clip_grad_norm_(opt, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()], sync, opt, model
+
+
+def one_process(n, optim, impl="foreach", accum=1, clip=0.0):
+    """Every rank's batch at once, in one model (the mean over all samples)."""
+    model = make_model(seed=0)
+    cls, kwargs = OPTIMS[optim]
+    opt = cls(model.parameters(), **dict(kwargs, **_impl(impl)))
+    for step in range(STEPS):
+        for micro in range(accum):
+            xs, ys = zip(*(batch(r, step, micro) for r in range(n)))
+            loss = nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)) / accum
+            loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _impl(impl):
+    return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def packed(obj) -> bytes:
+    """Tensors for the parent as bytes: tensors put on a multiprocessing queue travel as shared
+    memory, which a child that exits at once (spawn_helpers) takes with it."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpacked(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if torch.is_tensor(t) and t.numel():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+# ---- equivalence --------------------------------------------------------------------------------
+
+CASES = [  # (algo, zero, optimizer, impl, accum, clip, overlap)
+    *[(a, z, o, "foreach", 1, 0.0, True) for a in ("naive", "ring", "tree") for z in (1, 2)
+      for o in ("sgd", "adamw")],
+    ("ring", 2, "sgd", "fused", 1, 0.0, True),  # the default optim.impl
+    ("ring", 2, "adamw", "fused", 1, 0.0, False),
+    ("ring", 1, "sgd", "foreach", 2, 0.0, False),  # accumulation
+    ("tree", 2, "sgd", "foreach", 2, CLIP, True),  # accumulation and clipping
+    ("naive", 2, "adamw", "foreach", 1, CLIP, False),
+]
+
+
+def _equivalence(rank, n):
+    out = {"cases": {}, "refs": {}}
+    for algo, zero, optim, impl, accum, clip, overlap in CASES:
+        params, sync, opt, model = train(rank, n, scfg(algo, zero, overlap), optim, impl, accum,
+                                         clip)
+        base, *_ = train(rank, n, scfg(algo, 0, overlap), optim, impl, accum, clip)
+        full = sync.optimizer_state(opt)
+        out["cases"][(algo, zero, optim, impl, accum, clip, overlap)] = {
+            "params": params, "zero0": base, "state": full,
+            "state_bytes": _storage_bytes(v for s in opt.state.values() for v in s.values()),
+            "grad_bytes": _storage_bytes(sync.grads),
+            "numel": sum(p.numel() for p in model.parameters()),
+            "buckets": len(sync.buckets), "stats": sync.comm_stats()}
+        sync.close()
+    for optim in OPTIMS:  # torch's references: DDP, and DDP with ZeroRedundancyOptimizer
+        for zero in (0, 1):
+            params, *_ = train(rank, n, scfg("ddp", zero, bucket_mb=25), optim)
+            out["refs"][("ddp", zero, optim)] = params
+    return packed(out)
+
+
+def max_diff(a, b) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
+
+
+def bitwise(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def same_order(algo, zero, n) -> bool:
+    """The gradients are summed in zero=0's order (module docstring)."""
+    return zero == 1 or algo != "ring" or n == 2
+
+
+def close_adamw(a, b, lr, steps) -> bool:
+    """AdamW's tolerance (module docstring): all within 2 lr per step, all but a few within 1e-6."""
+    diffs = torch.cat([(x.double() - y.double()).abs().view(-1) for x, y in zip(a, b)])
+    return diffs.max().item() <= 2 * lr * steps and int((diffs > 1e-6).sum()) <= 4
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero_trains_like_zero0_ddp_and_one_process(world_size):
+    """zero=1 and 2 on naive, ring and tree, SGD and AdamW, with and without overlap,
+    accumulation and clipping: equal to zero=0 (bitwise where the order is the same and the
+    optimizer's arithmetic does not depend on an element's offset), to DDP and to one process
+    (SGD within 1e-6, AdamW as the module says); every rank the same."""
+    results = [unpacked(r) for r in spawn(_equivalence, world_size, timeout=230)]
+    n = world_size
+    singles = {(o, i, a, c): one_process(n, o, i, a, c) for _, _, o, i, a, c, _ in CASES}
+    for key, r in results[0]["cases"].items():
+        algo, zero, optim, impl, accum, clip, overlap = key
+        for other in results[1:]:
+            assert bitwise(other["cases"][key]["params"], r["params"]), f"{key}: ranks differ"
+        exact = (same_order(algo, zero, n) and (impl == "foreach" or optim == "adamw")
+                 and not clip)
+        if exact:
+            assert bitwise(r["params"], r["zero0"]), (key, max_diff(r["params"], r["zero0"]))
+        else:
+            assert max_diff(r["params"], r["zero0"]) < 1e-6, (key, max_diff(r["params"],
+                                                                            r["zero0"]))
+        single = singles[(optim, impl, accum, clip)]
+        ddp = results[0]["refs"][("ddp", 0, optim)] if accum == 1 and not clip else None
+        for ref in [single] + ([ddp] if ddp is not None else []):
+            if optim == "sgd":
+                assert max_diff(r["params"], ref) < 1e-6, (key, max_diff(r["params"], ref))
+            else:
+                assert close_adamw(r["params"], ref, 1e-3, STEPS), (key, max_diff(r["params"],
+                                                                                   ref))
+    for optim in OPTIMS:  # torch's ZeRO-1 against torch's DDP: the reference is itself sound
+        z1, z0 = (results[0]["refs"][("ddp", z, optim)] for z in (1, 0))
+        assert max_diff(z1, z0) < 1e-6, (optim, max_diff(z1, z0))
+
+
+# ---- bytes: state and gradients 1/N, communication as documented --------------------------------
+
+def test_shards_hold_1_over_n_and_zero2_sends_half_the_all_reduce():
+    """Per-rank optimizer-state bytes within one element per bucket of 1/N of the unsharded
+    state; at zero=2 the shards' gradients likewise; bytes per step: zero=1 = all-reduce +
+    all-gather, zero=2 = reduce-scatter + all-gather (the reduce-scatter half the all-reduce)."""
+    from test_comm import expected_bytes_sent
+
+    n = 3
+    results = spawn(_bytes, n, timeout=120)
+    for rank, r in enumerate(results):
+        for (optim, zero), got in r.items():
+            numel, buckets = got["numel"], got["bucket_numels"]
+            states = {"sgd": 1, "adamw": 2}[optim]
+            scalars = 4 * len(buckets) if optim == "adamw" else 0  # AdamW's step, per shard
+            ideal = states * 4 * numel / n
+            per_element = got["unsharded_state_bytes"] - (4 * got["params"] if scalars else 0)
+            assert per_element == states * 4 * numel == ideal * n  # the reference is as said
+            assert abs(got["state_bytes"] - scalars - ideal) <= states * 4 * len(buckets), got
+            assert abs(got["grad_bytes"] - 4 * numel / n) <= 4 * len(buckets), got
+            reduce = {1: "all_reduce", 2: "reduce_scatter"}[zero]
+            want = sum(_half_or_whole(reduce, rank, n, b) + _half_or_whole("all_gather", rank, n, b)
+                       for b in buckets)
+            assert got["bytes_per_step"] == want, (optim, zero, got["bytes_per_step"], want)
+            if reduce == "all_reduce":
+                assert _half_or_whole(reduce, rank, n, 999) == expected_bytes_sent("ring", rank,
+                                                                                   n, 999)
+
+
+def _half_or_whole(op, rank, n, numel):
+    """Bytes rank `rank` sends in one ring collective of `numel` fp32 (comm/ring.py)."""
+    sizes = [numel // n + (1 if i < numel % n else 0) for i in range(n)]
+    if op == "all_reduce":
+        return 4 * (numel - sizes[(rank + 1) % n] + numel - sizes[(rank + 2) % n])
+    if op == "reduce_scatter":
+        return 4 * (numel - sizes[rank])
+    return 4 * (numel - sizes[(rank + 1) % n])
+
+
+def _bytes(rank, n):
+    out = {}
+    for optim in OPTIMS:
+        for zero in (1, 2):
+            params, sync, opt, model = train(rank, n, scfg("ring", zero), optim)
+            plain = OPTIMS[optim][0]([p.detach().clone() for p in model.parameters()],
+                                     **OPTIMS[optim][1])
+            for p in plain.param_groups[0]["params"]:
+                p.grad = torch.ones_like(p)
+            plain.step()
+            out[(optim, zero)] = {
+                "numel": sum(p.numel() for p in model.parameters()),
+                "params": len(params),
+                "bucket_numels": [b.buffer.numel() for b in sync.buckets],
+                "state_bytes": _storage_bytes(v for s in opt.state.values() for v in s.values()),
+                "unsharded_state_bytes": _storage_bytes(
+                    v for s in plain.state.values() for v in s.values()),
+                "grad_bytes": _storage_bytes(sync.grads),
+                "bytes_per_step": sync.bytes_per_step()}
+            sync.close()
+    return out
+
+
+# ---- the loss scale, the non-finite guard and clipping agree across shards ----------------------
+
+def _inf_in_one_shard(rank, n):
+    """An inf in rank 0's gradient of an element rank 1 owns (the last of the one bucket): after
+    the reduce-scatter only rank 1's shard holds it. Every rank must skip the step and halve its
+    scale (ShardedScaler); and, in fp32, the guard must flag the step on every rank."""
+    from ddp_lab.guard import Guard
+
+    def setup():
+        model = make_model(0)
+        sync = make_sync(scfg("ring", 2, overlap=False, bucket_mb=25), n)
+        sync.prepare(model)
+        opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.1, momentum=0.9, fused=True))
+        return model, sync, opt
+
+    def poison(model):  # the first parameter is the (reversed) bucket's last
+        if rank == 0:
+            next(model.parameters()).grad.view(-1)[-1] = float("inf")
+
+    model, sync, opt = setup()
+    scaler = sync.grad_scaler(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    x, y = batch(rank, 0, 0)
+    scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+    poison(model)
+    sync.finish()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    out = {"scale": scaler.get_scale(), "moved": not bitwise(before, list(model.parameters())),
+           "inf_here": any(not torch.isfinite(g).all() for g in sync.grads)}
+    sync.close()
+    model, sync, opt = setup()
+    guard = Guard(SimpleNamespace(nonfinite="skip", consistency_every=0),
+                  SimpleNamespace(rank=rank, world_size=n), model,
+                  torch.amp.GradScaler("cpu", enabled=False), total_steps=2)
+    for step in (1, 2):
+        x, y = batch(rank, step, 0)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if step == 2:
+            poison(model)
+        sync.finish()
+        guard.after_sync(step, loss, opt)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    guard.resolve()
+    out |= {"guard_skipped": guard.skipped,
+            "guard_moved": not bitwise(before, list(model.parameters()))}
+    sync.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_an_inf_in_one_shard_skips_the_step_on_every_rank():
+    results = spawn(_inf_in_one_shard, 2, timeout=50)
+    assert [r["inf_here"] for r in results] == [False, True]  # alone, the ranks would disagree
+    for r in results:
+        assert r["scale"] == 512.0 and not r["moved"], r  # all skipped, all halved the scale
+        assert r["guard_skipped"] == [2] and not r["guard_moved"], r
+
+
+# ---- checkpoints: the unsharded state, at any world size ----------------------------------------
+
+def _save(rank, n, optim):
+    _, sync, opt, _ = train(rank, n, scfg("ring", 2), optim)
+    full = sync.optimizer_state(opt)
+    _, base_sync, base_opt, _ = train(rank, n, scfg("ring", 0), optim)
+    return packed({"full": full, "zero0": base_sync.optimizer_state(base_opt)})
+
+
+def _load(rank, n, full):
+    """Load a checkpoint's optimizer state at this world size and stage; save it again."""
+    out = {}
+    for zero in (0, 1, 2):
+        model = make_model(0)
+        sync = make_sync(scfg("ring", zero), n)
+        sync.prepare(model)
+        opt = sync.build_optimizer(model, torch.optim.AdamW, OPTIMS["adamw"][1])
+        sync.load_optimizer_state(opt, unpacked(full))
+        out[zero] = sync.optimizer_state(opt)
+        sync.close()
+    return packed(out)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_is_unsharded_and_loads_at_another_world_size():
+    """zero=2 at 2 ranks writes the state dict zero=0 writes (same keys, shapes, values to
+    1e-6); loaded at 1 and at 3 ranks, at every stage, it saves back unchanged."""
+    saved = unpacked(spawn(_save, 2, "adamw", timeout=60)[0])
+    full, ref = saved["full"], saved["zero0"]
+    assert full["state"].keys() == ref["state"].keys() and len(full["state"]) == 6
+    for i, s in ref["state"].items():
+        for k, v in s.items():
+            assert full["state"][i][k].shape == v.shape, (i, k)
+            assert (full["state"][i][k].double() - v.double()).abs().max() < 1e-6, (i, k)
+    assert [dict(g, params=None) for g in full["param_groups"]] == \
+        [dict(g, params=None) for g in ref["param_groups"]]
+    for n in (1, 3):
+        again = unpacked(spawn(_load, n, packed(full), timeout=60)[0])
+        for zero, state in again.items():
+            for i, s in full["state"].items():
+                for k, v in s.items():
+                    assert torch.equal(state["state"][i][k], v), (n, zero, i, k)
