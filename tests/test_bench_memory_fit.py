@@ -39,6 +39,9 @@ def test_seed_table_and_a_raw_count(together):
     proc, run_dir = together["memory_fit_seed_table"].result()
     bench_rows(proc, run_dir, "memory_fit")
     bench_rows(proc, run_dir, "seed_table", plot=False)
+    zero = {r["stage"]: r for r in bench_rows(proc, run_dir, "zero", plot=False)
+            if r["model"] == "1e+09 params"}
+    assert zero[2]["gb_per_gpu_at_8"] == pytest.approx(2 + 14 / 8) and zero[3]["gpus"] == 1
     seed = {r["model"]: r for r in load(run_dir / "seed_table.jsonl")}
     g, l = seed["gpt3_175b"], seed["llama2_70b"]
     assert g["fp32_weights_gb"] == g["seed_fp32_gb"] == 700  # the seed's FP32 = weights only
@@ -77,3 +80,31 @@ def test_torchvision_model_and_predicted_memory_on_cpu(together):
 def test_unknown_model_is_one_clear_line(together):
     proc, _ = together["memory_fit_unknown"].result()
     assert proc.returncode == 2 and "unknown model 'no_such_net'" in proc.stderr
+
+
+def test_zero_stages_per_gpu_and_gpus_needed():
+    """The Playbook's arithmetic (mixed precision + Adam, P params): per GPU 16P, 4P + 12P/N,
+    2P + 14P/N, 16P/N; the fewest GPUs of G GB at which stage s fits, or never."""
+    from types import SimpleNamespace
+
+    from ddp_lab.bench.memory_fit import zero_rows
+    from ddp_lab.cost import memory as mem
+
+    cfg = SimpleNamespace(zero_stages=[0, 1, 2, 3], zero_gpus=[1, 8, 64], zero_scheme="mixed",
+                          optimizer="adam", gpu_gb=80.0)
+    rows = {r["stage"]: r for r in zero_rows("llama2_70b", 70e9, cfg)}
+    p = 70.0  # GB per byte-per-parameter
+    for n in (1, 8, 64):
+        assert rows[0][f"gb_per_gpu_at_{n}"] == pytest.approx(16 * p)
+        assert rows[1][f"gb_per_gpu_at_{n}"] == pytest.approx(4 * p + 12 * p / n)
+        assert rows[2][f"gb_per_gpu_at_{n}"] == pytest.approx(2 * p + 14 * p / n)
+        assert rows[3][f"gb_per_gpu_at_{n}"] == pytest.approx(16 * p / n)
+    # 70B: only ZeRO-3 fits 80 GB GPUs (2P = 140 GB of weights stay whole at stage 2): 1120/80
+    assert [rows[s]["gpus"] for s in range(4)] == ["never", "never", "never", 14]
+    # 7B: weights + grads (28 GB) stay whole at stage 1, so 84 GB of states over N: N = 2
+    assert mem.gpus_for_zero(7e9, 1, 80.0) == 2 and mem.gpus_for_zero(7e9, 0, 80.0) is None
+    assert mem.gpus_for_zero(7e9, 0, 141.0) == 1  # 112 GB fits one H200 unsharded
+    assert mem.zero_bytes(1e9, 2, 4, "fp32", "sgd_momentum") == pytest.approx(
+        {"weights": 4e9, "grads": 1e9, "optimizer": 1e9, "master": 0.0, "total": 6e9})
+    with pytest.raises(ValueError, match="stage must be one of"):
+        mem.zero_bytes(1e9, 4, 2)

@@ -8,6 +8,7 @@ table for GPT-3 175B and LLaMA-2 70B, reproduced and corrected. Pure arithmetic 
     python -m ddp_lab.bench.memory_fit models=[resnet50,vit_b_16] gpu_gb=80
     python -m ddp_lab.bench.memory_fit models=[] params=[1e9]           # a raw parameter count
     python -m ddp_lab.bench.memory_fit measure=true                     # predicted vs measured
+    python -m ddp_lab.bench.memory_fit models=[llama2_70b] gpu_gb=80 zero_stages=[1,2,3]
 
 Schemes (bytes per parameter, Adam; see ddp_lab.cost.memory):
   fp32_train   4 weights + 4 grads + 8 Adam                         = 16
@@ -18,6 +19,14 @@ Schemes (bytes per parameter, Adam; see ddp_lab.cost.memory):
 `gpus` = ceil(total / gpu_gb): perfect sharding (ZeRO-3/FSDP or tensor/pipeline parallelism), a
 lower bound. Activations, KV cache, workspaces and fragmentation come on top; plain data
 parallelism (DDP, this lab) shards nothing, so each GPU must hold the whole `total`.
+
+ZeRO (table `zero`, the Ultra-Scale Playbook's): per GPU at each of `zero_gpus` data-parallel
+ranks, and how many GPUs of `gpu_gb` GB stage s needs for the training state to fit (`gpus`;
+`never` where what stays whole is already too big). Mixed precision + Adam, P parameters:
+  stage 0  16P              (plain data parallelism)
+  stage 1   4P + 12P/N      (optimizer states and fp32 master copy sharded; ddp_lab sync.zero=1)
+  stage 2   2P + 14P/N      (gradients too; sync.zero=2)
+  stage 3       16P/N       (weights too: ZeRO-3 / FSDP, on paper here)
 """
 
 from __future__ import annotations
@@ -61,6 +70,9 @@ class MemoryFitConfig:
     measure_precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     measure_channels_last: bool = True
     measure_steps: int = 5
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # [] leaves the table out
+    zero_gpus: list[int] = field(default_factory=lambda: [8, 64, 1024])  # N for the per-GPU GB
+    zero_scheme: str = "mixed"  # fp32 | mixed | torch_amp | bf16 (ddp_lab.cost.memory.SCHEMES)
     plot: bool = False
 
 
@@ -84,6 +96,20 @@ def fit_rows(name: str, params: float, optimizer: str, gpu_gb: float) -> list[di
                      "gpus": mem.gpus_needed(b["total"], gpu_gb),
                      "headroom_gb": gpu_gb - b["total"] / GB / mem.gpus_needed(b["total"], gpu_gb),
                      "fits_one_gpu": b["total"] <= gpu_gb * GB})
+    return rows
+
+
+def zero_rows(name: str, params: float, cfg) -> list[dict]:
+    """Per-GPU bytes of each ZeRO stage at cfg.zero_gpus ranks, and the GPUs each stage needs."""
+    rows = []
+    for stage in cfg.zero_stages:
+        row = {"model": name, "params_b": params / 1e9, "stage": stage}
+        for n in cfg.zero_gpus:
+            b = mem.zero_bytes(params, stage, n, cfg.zero_scheme, cfg.optimizer)
+            row[f"gb_per_gpu_at_{n}"] = b["total"] / GB
+        gpus = mem.gpus_for_zero(params, stage, cfg.gpu_gb, cfg.zero_scheme, cfg.optimizer)
+        row |= {"gpu_gb": cfg.gpu_gb, "gpus": "never" if gpus is None else gpus}
+        rows.append(row)
     return rows
 
 
@@ -163,6 +189,16 @@ def measure_rows(cfg) -> list[dict]:
     return rows
 
 
+def _check_zero(cfg) -> None:
+    bad = [s for s in cfg.zero_stages if s not in mem.ZERO_STAGES]
+    if bad:
+        raise ConfigError(f"zero_stages={list(cfg.zero_stages)}: stages are 0, 1, 2 and 3")
+    if cfg.zero_scheme not in mem.SCHEMES:
+        raise ConfigError(f"zero_scheme={cfg.zero_scheme!r} is not one of {', '.join(mem.SCHEMES)}")
+    if not cfg.zero_gpus or min(cfg.zero_gpus) < 1:
+        raise ConfigError(f"zero_gpus={list(cfg.zero_gpus)} must be GPU counts >= 1")
+
+
 def run(cfg, run_dir: str) -> list[dict]:
     if cfg.optimizer not in mem.OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={cfg.optimizer!r} is not one of {', '.join(mem.OPTIMIZER_STATES)}")
@@ -187,6 +223,16 @@ def run(cfg, run_dir: str) -> list[dict]:
                   "KV cache, workspaces and fragmentation come on top, and must fit in headroom_gb "
                   "(what is left per GPU)",
                   "amp_train also makes 16-bit weight copies each step (transient_gb in the files)"])
+    if cfg.zero_stages:
+        _check_zero(cfg)
+        zrows = [r for name, p in entries for r in zero_rows(name, p, cfg)]
+        report(zrows, run_dir, "zero",
+               ["model", "params_b", "stage", *(f"gb_per_gpu_at_{n}" for n in cfg.zero_gpus),
+                "gpu_gb", "gpus"],
+               title=f"ZeRO: training state per GPU (GB), {cfg.zero_scheme} + {cfg.optimizer}",
+               notes=["stage 1 shards optimizer states and master copies, 2 gradients too, 3 "
+                      "weights too (FSDP); gpus = the fewest GPUs of gpu_gb for which the state "
+                      "fits, before activations ('never': the unsharded part alone is too big)"])
     if cfg.seed_table and any(name in SEED_TABLE for name, _ in entries):
         srows, notes = seed_rows(cfg)
         report(srows, run_dir, "seed_table", title="the seed's table vs ours (GB)", notes=notes)

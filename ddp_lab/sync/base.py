@@ -75,8 +75,9 @@ class GradSync:
         """Load a whole (unsharded) state dict, as `optimizer_state` makes them."""
         optimizer.load_state_dict(state)
 
-    def comm_buffers(self) -> list[torch.Tensor]:
-        """The sync's own buffers (buckets, scratch), for the memory count (summary.json)."""
+    def comm_buffers(self) -> list[torch.Tensor] | None:
+        """The sync's own buffers (buckets, scratch) for the memory count (summary.json); None
+        where they cannot be counted."""
         return []
 
 

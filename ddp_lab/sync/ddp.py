@@ -101,6 +101,9 @@ class DDPSync(GradSync):
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
 
+    def comm_buffers(self):
+        return None  # DDP's buckets live inside its C++ reducer: not counted
+
     def optimizer_state(self, optimizer) -> dict | None:
         if not self.cfg.zero:
             return super().optimizer_state(optimizer)

@@ -124,9 +124,6 @@ class ShardedSync(BucketedSync):
                 "gather_bytes_per_step": self._gather_bytes,
                 "shard_numel": [s.numel() for s in self.shards]}
 
-    def comm_buffers(self) -> list[torch.Tensor]:
-        return [b.buffer for b in self.buckets]  # (zero=2: views of one scratch)
-
     # ---- the optimizer over this rank's shards ----
 
     def build_optimizer(self, model: nn.Module, cls: type, kwargs: dict) -> torch.optim.Optimizer:
