@@ -10,8 +10,11 @@ import pytest
 
 from helpers import CONF_DIR, check, launch_together, python_module
 
+from ddp_lab.scale.predict import PHASES
+
 TINY = ["data.num_samples=512", "model.default_classes=10", "train.batch_size=8",
-        "train.max_steps=6", "train.timing_warmup=2", "model.dropout=0"]
+        "train.max_steps=6", "train.timing_warmup=2", "model.dropout=0",
+        "repeats=1"]  # (the sweep's own: one pass, even on a busy machine)
 # DDP and one of our syncs, end to end (each point is a torchrun job, ~25 s on a 2-core VM). The
 # bytes naive and tree send are checked exactly below this level: tests/test_comm.py (per
 # algorithm and rank), tests/test_sync.py (per step), tests/test_cost_network.py (the model).
@@ -37,7 +40,8 @@ def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     syncs = ",".join(SWEPT)
     proc = scale(TINY + [f"nproc=[1,2]", f"syncs=[{syncs}]", "simulate=false",
-                         "predict.sizes_kb=[4,64,1024,4096]", f"hydra.run.dir={out}"])
+                         "predict.sizes_kb=[4,64,1024,4096]", "predict.probe_rounds=2",
+                         f"hydra.run.dir={out}"], timeout=900)
     check(proc)
     return out, proc
 
@@ -108,9 +112,13 @@ def test_sweep_writes_consistent_csv(sweep):
         else:
             assert 0 < num(r["efficiency"]) < 3  # sanity only: 2 ranks share 2 busy cores
             assert num(r["rank_skew"]) >= 0
-        parts = sum(num(r[k]) for k in ("compute_ms", "exposed_comm_ms", "data_ms", "optim_ms"))
-        assert parts + num(r["other_ms"]) == pytest.approx(num(r["step_ms"]))  # adds up
+        parts = sum(num(r[f"{ph}_ms"]) for ph in PHASES)
+        assert parts == pytest.approx(num(r["step_ms"]))  # adds up (other: what medians leave)
         assert abs(num(r["other_ms"])) < 0.5 * num(r["step_ms"])  # medians of phases vs steps
+        assert num(r["compute_ms"]) == pytest.approx(num(r["forward_ms"]) + num(r["backward_ms"]))
+        if n == 1:  # nothing sent: what the sync costs alone is booked as `sync`, not comm
+            assert num(r["exposed_comm_ms"]) < 0.01 * num(r["step_ms"])
+            assert num(r["sync_ms"]) >= 0 and int(r["passes"]) == 1
         assert "checkpoint.pt" not in os.listdir(out / "points" / r["point"])  # cleaned up
     assert "[1/" in proc.stdout and "img/s" in proc.stdout  # a progress line per point
 
@@ -147,16 +155,48 @@ def test_plot_report_and_manifest(sweep):
     assert m["point_overrides"][:2] == TINY[:2]
 
 
-def test_model_predicts_every_multi_rank_point(sweep):
+def test_model_predicts_every_point_phase_by_phase(sweep):
+    """scaling.csv keeps its columns and has each phase measured and predicted; the prediction
+    at N=1 is the measurement it starts from; report.md has the table, phase by phase."""
     out, _ = sweep
     fits = read_csv(out / "allreduce.csv")
     assert {r["algo"] for r in fits} >= {"native"} and {r["world_size"] for r in fits} == {"2"}
-    for r in read_csv(out / "scaling.csv"):
+    rows = read_csv(out / "scaling.csv")
+    assert {"world_size", "sync", "status", "efficiency", "pred_efficiency", "step_ms",
+            "exposed_comm_ms"} <= set(rows[0])
+    for r in rows:
         assert not math.isnan(num(r["pred_efficiency"])), r["pred_note"]
         assert num(r["pred_exposed_comm_ms"]) >= 0
+        pred = [num(r[f"pred_{ph}_ms"]) for ph in PHASES]
+        assert sum(pred) == pytest.approx(num(r["pred_step_ms"]))
         if r["world_size"] == "1":
             assert num(r["pred_efficiency"]) == pytest.approx(1.0)
             assert num(r["pred_exposed_comm_ms"]) == 0
+            assert pred == pytest.approx([num(r[f"{ph}_ms"]) for ph in PHASES])
+        else:  # measured on its own, right after the point
+            assert os.path.exists(out / "interference" / f"{r['point']}.json")
+            assert num(r["compute_slowdown"]) >= 1 and num(r["comm_slowdown"]) >= 1
+            assert r["worst_phase"] in PHASES
+            assert num(r["calib_busbw_GBps"]) > 0 and num(r["probe_busbw_GBps"]) > 0
+    report = open(out / "report.md").read()
+    assert "## Model vs measurement, phase by phase" in report
+    assert "Where the model misses" in report
+    section = report.split("## Model vs measurement, phase by phase")[1]
+    n2 = next(line for line in section.splitlines() if line.startswith("| n2-ring | "))
+    assert n2.count(" / ") >= 2 + len(PHASES)  # efficiency, step and every phase: measured / pred
+    assert "## All-reduce fits" in report and "r2_one_line" in report
+
+
+def test_the_models_buckets_are_the_syncs(sweep):
+    """The bucket layout the model (and the probe) assume is the one the sync built."""
+    from ddp_lab.cost import network as net
+
+    out, _ = sweep
+    summary = json.load(open(out / "points" / "n2-ring" / "summary.json"))
+    probe = json.load(open(out / "interference" / "n2-ring.json"))
+    numels = probe["param_numels"][::-1]
+    assert summary["comm"]["bucket_bytes"] == net.bucket_layout(numels, 4, 25.0, "ours")
+    assert probe["derived"]["ring"]["bucket_bytes"] == summary["comm"]["bucket_bytes"]
 
 
 @pytest.mark.parametrize("sync", SWEPT)

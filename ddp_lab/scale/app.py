@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from ddp_lab.config import ConfigError
 from ddp_lab.cost import network as net
-from ddp_lab.scale import outputs, simulate, sweep
+from ddp_lab.scale import outputs, predict, simulate, sweep
 from ddp_lab.scale.config import register_scale_config
 
 # Training overrides taken off the command line by main() before Hydra parses it (the scale
@@ -40,42 +40,58 @@ def _fits(cfg, points, sweep_dir, profile, env, say) -> dict:
     if cfg.predict.table:
         rows = net.read_table(cfg.predict.table)
         say(f"alpha-beta fit from {cfg.predict.table} ({len(rows)} rows)")
-        return net.fit_alpha_beta(rows)
+        return net.fit_alpha_beta(rows, cfg.predict.max_regimes)
     sizes = sorted({p.world_size for p in points if p.status == "ok" and p.world_size > 1})
     if not cfg.predict.calibrate or not sizes:
         return {}
-    algos = ["native"]
-    try:
-        from ddp_lab.comm import all_reduce  # noqa: F401  (our collectives, once they exist)
-        algos += [s for s in ("naive", "ring", "tree") if s in cfg.syncs]
-    except ImportError:
-        pass
-    kb = list(cfg.predict.sizes_kb) or ([4 * 4 ** i for i in range(8)] if profile == "cpu"
-                                        else [4 * 4 ** i for i in range(10)])
+    algos = ["native"] + [s for s in ("naive", "ring", "tree") if s in cfg.syncs]
+    # Doubling sizes: enough of them in each protocol regime for the fit to see where it ends.
+    kb = list(cfg.predict.sizes_kb) or [4 * 2 ** i for i in range(15 if profile == "cpu" else 17)]
     rows = []
     for n in sizes:
         out = os.path.join(sweep_dir, "calibration", f"allreduce_n{n}.jsonl")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={n}", "-m", "ddp_lab.scale.calibrate", out,
                "--algos", ",".join(algos), "--sizes", ",".join(str(k * 1024) for k in kb)]
-        t0 = time.perf_counter()
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        log_path = out.replace(".jsonl", ".log")
-        returncode, timed_out = sweep.run_logged(cmd, env, log_path, cfg.predict.timeout_s)
-        if timed_out:
-            say(f"calibration at N={n} timed out; no fit for it ({log_path})")
-            continue
-        if returncode != 0 or not os.path.exists(out):
-            say(f"calibration at N={n} failed (exit {returncode}): "
-                f"{sweep.tail(log_path).strip().splitlines()[-1:]} ({log_path})")
-            continue
-        rows += net.read_table(out)
-        say(f"calibrated all-reduce ({', '.join(algos)}) at N={n}: {len(kb)} sizes, "
-            f"{time.perf_counter() - t0:.0f} s")
+        if _launch(cmd, env, out, cfg.predict.timeout_s, f"calibration at N={n}", say):
+            rows += net.read_table(out)
+            say(f"calibrated all-reduce ({', '.join(algos)}) at N={n}: {len(kb)} sizes")
     if rows:
         from ddp_lab.bench.common import write_rows
         write_rows(rows, sweep_dir, "allreduce")
-    return net.fit_alpha_beta(rows)
+    return net.fit_alpha_beta(rows, cfg.predict.max_regimes)
+
+
+def _launch(cmd: list[str], env: dict, out: str, timeout_s: float, what: str, say) -> bool:
+    """Run a measurement job that writes `out`; say why not where it did not."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    log_path = os.path.splitext(out)[0] + ".log"
+    t0 = time.perf_counter()
+    returncode, timed_out = sweep.run_logged(cmd, env, log_path, timeout_s)
+    if timed_out:
+        say(f"{what} timed out ({log_path})")
+        return False
+    if returncode != 0 or not os.path.exists(out):
+        say(f"{what} failed (exit {returncode}): "
+            f"{sweep.tail(log_path).strip().splitlines()[-1:]} ({log_path})")
+        return False
+    say(f"{what}: {time.perf_counter() - t0:.0f} s")
+    return True
+
+
+def _probe(cfg, p: sweep.Point, sweep_dir: str, env: dict, say, repeat: int = 0) -> str | None:
+    """The interference probe (ddp_lab/scale/interfere.py) of point `p`, right after it ran: its
+    world size, training settings and algorithm, under the load the point just saw (a shared
+    machine's other users come and go). Its file, or None."""
+    if not cfg.predict.probe or p.status != "ok" or p.world_size < 2 or p.sync == "none":
+        return None
+    out = os.path.join(sweep_dir, "interference", p.name + sweep.repeat_suffix(repeat) + ".json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={p.world_size}", "-m", "ddp_lab.scale.interfere", out, "--algos",
+           "native" if p.sync == "ddp" else p.sync, "--rounds", str(cfg.predict.probe_rounds),
+           "--", *[a for a in p.args if not a.startswith("hydra.")]]
+    return out if _launch(cmd, env, out, cfg.predict.timeout_s,
+                          f"    interference probe of {p.name}", say) else None
 
 
 def emit(cfg, points: list[sweep.Point], say) -> list[str]:
@@ -132,11 +148,13 @@ def _simulate_mode(cfg) -> str:
     return mode
 
 
-def run_points(cfg, run_dir: str, say) -> tuple[list[sweep.Point], str, dict] | None:
-    """The sweep's points and profile and the environment they ran in: collected from run dirs,
-    or planned and launched here one by one. None where emit= printed command lines instead."""
+def run_points(cfg, run_dir: str, say) -> tuple | None:
+    """The sweep's passes (each a list of every point), its profile, the environment they ran in
+    and the interference probes' files ({point name: [file or None per pass]}): collected from
+    run dirs, or planned and launched here `repeats` times over (each pass: every point once,
+    each followed by its probe). None where emit= printed command lines instead."""
     if cfg.collect:
-        return [sweep.collect_point(d) for d in cfg.collect], "collected", dict(os.environ)
+        return [[sweep.collect_point(d) for d in cfg.collect]], "collected", dict(os.environ), {}
     points, profile = sweep.plan(cfg, PASSTHROUGH, run_dir)
     runnable = [p for p in points if p.status == "planned"]
     if runnable:
@@ -146,46 +164,66 @@ def run_points(cfg, run_dir: str, say) -> tuple[list[sweep.Point], str, dict] | 
         return None
     env = sweep.point_env(cfg, profile, max(p.world_size for p in points))
     timeout = cfg.point_timeout_s or (300.0 if profile == "cpu" else 600.0)
-    say(f"sweep: {len(points)} points ({len(runnable)} to run), {cfg.mode} scaling, "
-        f"profile {profile}, world sizes {sorted({p.world_size for p in points})}, "
-        f"syncs {list(cfg.syncs)} -> {run_dir}")
-    for i, p in enumerate(points, 1):
-        if p.status == "planned":
-            say(f"[{i}/{len(points)}] {p.name}: running (timeout {timeout:.0f} s)")
-            sweep.launch(p, env, timeout, cfg.keep_checkpoints)
-        say(f"[{i}/{len(points)}] {p.name}: {_result(p)}")
-    return points, profile, env
+    repeats = cfg.repeats or auto_repeats(say)
+    say(f"sweep: {len(points)} points ({len(runnable)} to run{f' x {repeats}' * (repeats > 1)}),"
+        f" {cfg.mode} scaling, profile {profile}, world sizes "
+        f"{sorted({p.world_size for p in points})}, syncs {list(cfg.syncs)} -> {run_dir}")
+    passes, probes = [], {}
+    for r in range(repeats):
+        passes.append([sweep.for_repeat(p, r) for p in points])
+        for i, q in enumerate(passes[-1], 1):
+            where = f"[{i}/{len(points)}{f' #{r + 1}' * (repeats > 1)}] {q.name}"
+            if q.status == "planned":
+                say(f"{where}: running (timeout {timeout:.0f} s)")
+                sweep.launch(q, env, timeout, cfg.keep_checkpoints)
+            say(f"{where}: {_result(q)}")
+            probes.setdefault(q.name, []).append(_probe(cfg, q, run_dir, env, say, r))
+    return passes, profile, env, probes
+
+
+def auto_repeats(say) -> int:
+    """repeats=0: 3 passes where other work keeps the machine busy as the sweep starts (its
+    1-minute load average above half its cores: one pass would measure their load), else 1."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cores = os.cpu_count() or 1
+    busy = load > 0.5 * cores
+    if busy:
+        say(f"load average {load:.1f} on {cores} cores: a shared machine, 3 passes over every "
+            "point (repeats=1 for one)")
+    return 3 if busy else 1
 
 
 def say_tables(rows: list[dict], fits: dict, say) -> None:
     """The measured table, the alpha-beta fits and the model against measurement, on the console."""
     ok = [r for r in rows if r["status"] == "ok"]
-    say("\n" + outputs.console_table(
-        rows, ["point", "status", "img_per_s", "img_per_s_per_gpu", "speedup", "efficiency",
-               "step_ms", "compute_ms", "exposed_comm_ms", "data_ms", "optim_ms", "other_ms",
-               "comm_bytes_per_step", "busbw_GBps", "rank_skew"]))
+    say("\n" + outputs.console_table(rows, outputs.CONSOLE_COLUMNS))
     if fits:
         say("\nalpha-beta fits:\n" + outputs.console_table(
-            [f.as_row() for f in fits.values()],
-            ["algo", "backend", "alpha_us", "bandwidth_GBps", "r2", "max_rel_err_pct",
-             "points"]))
+            [f.as_row() for f in fits.values()], outputs.FIT_COLUMNS))
     if any(r["pred_efficiency"] == r["pred_efficiency"] for r in ok):
-        say("\nmodel vs measured:\n" + outputs.console_table(
-            ok, ["point", "exposed_comm_ms", "pred_exposed_comm_ms", "step_ms", "pred_step_ms",
-                 "efficiency", "pred_efficiency", "pred_err_pct"]))
+        say("\nmodel vs measured (ms: measured/predicted):\n"
+            + outputs.console_table(outputs.phase_rows(ok), outputs.phase_columns()))
 
 
-def tabulate(cfg, points, profile: str, env: dict, run_dir: str, say) -> tuple:
+def tabulate(cfg, passes: list, profile: str, env: dict, run_dir: str, say,
+             probe_files: dict | None = None) -> tuple:
     """Rows, fits and predictions of the points, written (manifest, CSV, TensorBoard, plot) and
-    printed; returns (rows, fits, manifest, csv path)."""
+    printed; returns (rows, fits, manifest, csv path). Each pass is tabulated and predicted on
+    its own (each point against its N=1 point and with its probe of the same pass, minutes
+    apart at most), then every column is the median over the passes (sweep.merge_rows)."""
     man = outputs.write_manifest(os.path.join(run_dir, "manifest.json"),
                                  OmegaConf.to_container(cfg, resolve=True), PASSTHROUGH, profile,
                                  env)
-    rows = sweep.rows_from_points(points)
     fits = {}
     if not cfg.collect or cfg.predict.table:  # collected runs: only a given table
-        fits = _fits(cfg, points, run_dir, profile, env, say)
-    sweep.predict_rows(rows, points, fits)
+        fits = _fits(cfg, passes[0], run_dir, profile, env, say)
+    per_pass = []
+    for r, points in enumerate(passes):
+        rows = sweep.rows_from_points(points)
+        probes = predict.load_probes({name: fs[r:r + 1] for name, fs in (probe_files or {}).items()})
+        predict.predict_rows(rows, points, fits, probes, sweep.bases(points))
+        per_pass.append(rows)
+    rows = predict.merge_passes(per_pass)
     csv_path = outputs.write_csv(rows, run_dir)
     outputs.write_tensorboard(rows, run_dir)
     outputs.plot(rows, os.path.join(run_dir, "scaling.png"),
@@ -204,8 +242,9 @@ def task(cfg, run_dir: str) -> None:
         swept = run_points(cfg, run_dir, say)
         if swept is None:  # emit=: command lines only
             return
-        points, profile, env = swept
-        rows, fits, man, csv_path = tabulate(cfg, points, profile, env, run_dir, say)
+        passes, profile, env, probe_files = swept
+        points = passes[0]
+        rows, fits, man, csv_path = tabulate(cfg, passes, profile, env, run_dir, say, probe_files)
     sim_md = ""
     if mode in ("true", "only"):
         say("\nsimulation:")
@@ -225,9 +264,11 @@ def _result(p: sweep.Point) -> str:
     s = p.summary
     ph = sweep.phases(s)
     return (f"ok, {s['train_img_per_s']:.1f} img/s ({s['train_img_per_s'] / p.world_size:.1f} per "
-            f"GPU, {s.get('backend')}), step {ph['step_ms']:.1f} ms = compute "
-            f"{ph['compute_ms']:.1f} + comm {ph['exposed_comm_ms']:.1f} + data {ph['data_ms']:.1f}"
-            f" + optim {ph['optim_ms']:.1f}, {p.wall_s:.0f} s")
+            f"rank, {s.get('backend')}), step {ph['step_ms']:.1f} ms = forward "
+            f"{ph['forward_ms']:.1f} + backward {ph['backward_ms']:.1f} + sync and comm "
+            f"{ph['lost_ms']:.1f} + guard {ph['guard_ms']:.1f} + optim {ph['optim_ms']:.1f} + data "
+            f"{ph['data_ms']:.1f}, {p.wall_s:.0f} s, load {p.load_avg:.1f}, others' cores "
+            f"{p.other_cores:.2f}")
 
 
 def run_name(overrides: list[str]) -> str:

@@ -13,6 +13,9 @@ class PredictConfig:
     table: str = ""  # allreduce.jsonl/.csv of `python -m ddp_lab.bench.allreduce`; "": calibrate
     calibrate: bool = True  # no table: time all-reduces at each world size of the sweep first
     sizes_kb: list[int] = field(default_factory=list)  # calibration message sizes; []: by device
+    max_regimes: int = 3  # message-size regimes the fit may use (it uses the fewest that fit)
+    probe: bool = True  # measure interference at each world size > 1 (ddp_lab/scale/interfere.py)
+    probe_rounds: int = 4  # timed rounds of the probe's conditions (after one warm-up round)
     timeout_s: float = 300.0
 
 
@@ -35,6 +38,13 @@ class SimConfig:
         "alexnet": 12000.0, "alexnet_cifar": 60000.0, "resnet50": 3000.0, "resnet101": 1700.0,
         "vgg16": 1100.0})
     use_measured: bool = True  # a model the sweep ran at N=1 on a GPU: its measured compute
+    # GPUs: NCCL's kernels take SMs and memory bandwidth from backward while they overlap it, and
+    # backward's kernels from NCCL. Not measured here yet (the probe needs 2+ GPUs): an assumption
+    # (backward and all-reduce slowdowns while both run), shown with a band from band[0] to
+    # band[1] for both.
+    interference: dict[str, float] = field(default_factory=lambda: {"compute": 1.05,
+                                                                    "comm": 1.1})
+    interference_band: list[float] = field(default_factory=lambda: [1.0, 1.3])
 
 
 @dataclass
@@ -54,6 +64,10 @@ class ScaleConfig:
     nodes: list[int] = field(default_factory=lambda: [1, 2, 4])  # emit: node counts
     gpus_per_node: int = 0  # emit: 0 = local GPU count (8 without GPUs)
     collect: list[str] = field(default_factory=list)  # point run dirs to tabulate instead of running
+    # Passes over every point (each followed by its interference probe); a point's phases are
+    # the medians over its passes: a shared machine's load drifts over minutes. 0: 3 where the
+    # machine is busy as the sweep starts (1-minute load average above half its cores), else 1.
+    repeats: int = 0
     simulate: str = "true"  # true: sweep then simulation | false | only: simulation alone
     env: dict[str, str] = field(default_factory=lambda: {"NCCL_NVLS_ENABLE": "0"})  # setdefault'ed
     predict: PredictConfig = field(default_factory=PredictConfig)

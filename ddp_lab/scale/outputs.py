@@ -11,13 +11,24 @@ import subprocess
 
 from ddp_lab.bench.common import format_table, write_rows
 
+from ddp_lab.scale.predict import PHASES
+
 TABLE_COLUMNS = ["point", "status", "backend", "per_rank_batch", "global_batch", "img_per_s",
-                 "img_per_s_per_gpu", "speedup", "efficiency", "step_ms", "compute_ms",
-                 "exposed_comm_ms", "data_ms", "optim_ms", "other_ms", "comm_bytes_per_step",
-                 "busbw_GBps", "rank_skew"]
-PRED_COLUMNS = ["point", "exposed_comm_ms", "pred_exposed_comm_ms", "step_ms", "pred_step_ms",
-                "efficiency", "pred_efficiency", "pred_err_pct", "comm_bytes_per_step",
-                "pred_bytes_per_step", "pred_note"]
+                 "img_per_s_per_gpu", "speedup", "efficiency", "step_ms",
+                 *(f"{ph}_ms" for ph in PHASES), "comm_bytes_per_step", "busbw_GBps",
+                 "rank_skew", "passes", "load_avg", "other_cores"]
+CONSOLE_COLUMNS = ["point", "status", "img_per_s", "efficiency", "step_ms",
+                   *(f"{ph}_ms" for ph in PHASES), "busbw_GBps", "rank_skew", "other_cores"]
+FIT_COLUMNS = ["algo", "backend", "fit", "r2", "max_rel_err_pct", "r2_one_line",
+               "max_rel_err_one_line_pct", "points", "world_sizes"]
+BANDWIDTH_COLUMNS = ["point", "contention", "compute_slowdown", "comm_slowdown",
+                     "calib_busbw_GBps", "probe_busbw_GBps", "probe_loaded_busbw_GBps",
+                     "busbw_GBps", "pred_slowdown_ms", "pred_wait_ms", "pred_straggler_ms",
+                     "pred_note"]
+PASS_COLUMNS = ["point", "passes", "pass", "efficiency_passes", "pred_efficiency_passes",
+                "other_cores", "baseline_other_cores", "probe_other_cores"]
+# A phase whose miss is at least this share of the measured step is named in the report.
+MISS_SHARE = 0.05
 
 
 def series_of(row: dict) -> str:
@@ -55,20 +66,43 @@ def write_tensorboard(rows: list[dict], out_dir: str) -> str:
     return root
 
 
+def x_label(rows: list[dict]) -> str:
+    """What the x-axis counts: GPUs, or CPU processes where the points ran on CPUs."""
+    devices = {str(r.get("device", "")) for r in rows if r["status"] == "ok"}
+    if devices and all(d.startswith("cpu") for d in devices):
+        return "CPU processes (world size)"
+    return "GPUs (world size)"
+
+
 def plot(rows: list[dict], path: str, title: str = "") -> str:
-    """Efficiency (left) and throughput (right) vs GPU count, one line per sync; the model's
-    prediction dashed; ideal scaling dotted."""
+    """Efficiency (measured solid, the model dashed), throughput (ideal dotted) and each point's
+    step by phase, measured (M) next to predicted (P)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_e, ax_t) = plt.subplots(1, 2, figsize=(11, 4.3))
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, (ax_e, ax_t, ax_p) = plt.subplots(
+        1, 3, figsize=(17, 4.6), gridspec_kw={"width_ratios": [1, 1, 1.5]})
+    _plot_lines(ax_e, ax_t, ok, sorted({r["world_size"] for r in rows}) or [1])
+    effs = [r["efficiency"] for r in ok if r["efficiency"] == r["efficiency"]]
+    preds = [r["pred_efficiency"] for r in ok
+             if r.get("pred_efficiency") == r.get("pred_efficiency")]
+    ax_e.set_ylim(0, max([1.15] + [1.05 * e for e in effs + preds]))
+    _plot_phases(ax_p, ok)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_lines(ax_e, ax_t, ok: list[dict], xs_all: list[int]) -> None:
     by_series: dict[str, list[dict]] = {}
-    for r in rows:
-        if r["status"] == "ok":
-            by_series.setdefault(series_of(r), []).append(r)
-    xs_all = sorted({r["world_size"] for r in rows}) or [1]
+    for r in ok:
+        by_series.setdefault(series_of(r), []).append(r)
     for series, rs in sorted(by_series.items()):
         rs = sorted(rs, key=lambda r: r["world_size"])
         xs = [r["world_size"] for r in rs]
@@ -76,7 +110,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
         pred = [(r["world_size"], r.get("pred_efficiency", float("nan"))) for r in rs]
         pred = [(x, y) for x, y in pred if y == y]
         if pred:
-            ax_e.plot(*zip(*pred), ls="--", color=line.get_color(), alpha=0.7,
+            ax_e.plot(*zip(*pred), ls="--", marker="x", color=line.get_color(), alpha=0.8,
                       label=f"{series} (model)")
         ax_t.plot(xs, [r["img_per_s"] for r in rs], marker="o", color=line.get_color(),
                   label=series)
@@ -85,25 +119,44 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
             ax_t.plot(xs_all, [x * one[0]["img_per_s"] for x in xs_all], ls=":",
                       color=line.get_color(), alpha=0.5)
     ax_e.axhline(1.0, color="gray", ls=":", lw=1)
-    effs = [r["efficiency"] for r in rows if r["status"] == "ok" and r["efficiency"] == r["efficiency"]]
-    ax_e.set_ylim(0, max([1.15] + [1.05 * e for e in effs]))
     for ax, ylabel in ((ax_e, "efficiency = thr_N / (N thr_1)"), (ax_t, "images / s")):
-        ax.set_xlabel("GPUs (world size)")
+        ax.set_xlabel(x_label(ok) if ok else "world size")
         ax.set_ylabel(ylabel)
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs_all, [str(x) for x in xs_all])
         ax.grid(True, alpha=0.3)
-    if by_series:
-        ax_e.legend(fontsize=8)
-        ax_t.legend(fontsize=8)
+        if by_series:
+            ax.legend(fontsize=7)
     ax_t.set_title("throughput (dotted: ideal)")
-    ax_e.set_title("scaling efficiency")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    ax_e.set_title("scaling efficiency (solid: measured, dashed: model)")
+
+
+PHASE_COLORS = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:cyan",
+                "sync": "tab:olive", "exposed_comm": "tab:red", "guard": "tab:purple",
+                "optim": "tab:green", "other": "lightgray"}
+
+
+def _plot_phases(ax, ok: list[dict]) -> None:
+    """Stacked bars per point: measured (M) and predicted (P) step, by phase (ms)."""
+    ok = sorted(ok, key=lambda r: (series_of(r), r["world_size"]))
+    xs, labels = [], []
+    for i, r in enumerate(ok):
+        for j, (kind, prefix) in enumerate((("M", ""), ("P", "pred_"))):
+            x, bottom = 3 * i + j, 0.0
+            for ph in PHASES:
+                v = r.get(f"{prefix}{ph}_ms", float("nan"))
+                if v == v and v > 0:
+                    ax.bar(x, v, bottom=bottom, color=PHASE_COLORS[ph], width=0.9,
+                           label=ph if i == 0 and j == 0 else None)
+                    bottom += v
+            xs.append(x)
+            labels.append(f"{r['point']} {kind}" if j == 0 else kind)
+    ax.set_xticks(xs, labels, rotation=60, fontsize=7, ha="right")
+    ax.set_ylabel("ms per step (medians)")
+    ax.set_title("step by phase: M measured, P predicted")
+    ax.grid(True, axis="y", alpha=0.3)
+    if ok:
+        ax.legend(fontsize=7, ncol=2)
 
 
 def _cmd(args: list[str], timeout: float = 20) -> str | None:
@@ -146,6 +199,72 @@ def md_table(rows: list[dict], columns: list[str]) -> str:
                                               for c in columns) + " |" for r in rows)
 
 
+def _pair(measured: float, predicted: float) -> str:
+    """`measured / predicted (error)`, the error relative to the measurement."""
+    if measured != measured and predicted != predicted:
+        return ""
+    err = (f" ({100 * (predicted - measured) / measured:+.0f}%)"
+           if measured == measured and predicted == predicted and measured > 0.05 else "")
+    return f"{_fmt(float(measured))} / {_fmt(float(predicted))}{err}"
+
+
+def phase_columns() -> list[str]:
+    return ["point", "efficiency", "step", *PHASES, "worst phase"]
+
+
+def phase_rows(ok: list[dict]) -> list[dict]:
+    """One row per point, each cell `measured / predicted (error)`: efficiency, the step and
+    every phase (ms), then the phase missed most."""
+    out = []
+    for r in ok:
+        row = {"point": r["point"], "efficiency": _pair(r["efficiency"], r["pred_efficiency"]),
+               "step": _pair(r["step_ms"], r.get("pred_step_ms", float("nan")))}
+        for ph in PHASES:
+            row[ph] = _pair(r.get(f"{ph}_ms", float("nan")), r.get(f"pred_{ph}_ms", float("nan")))
+        miss = r.get("worst_phase_miss_ms", float("nan"))
+        row["worst phase"] = f"{r.get('worst_phase')} {miss:+.1f} ms" if miss == miss else ""
+        out.append(row)
+    return out
+
+
+def misses(ok: list[dict], tolerance_pct: float = 10.0) -> list[str]:
+    """In words, for each point the model misses by more than `tolerance_pct` (efficiency): the
+    phases whose miss is at least MISS_SHARE of the measured step, largest first."""
+    lines = []
+    for r in ok:
+        err = r.get("pred_err_pct", float("nan"))
+        if err != err or abs(err) <= tolerance_pct:
+            continue
+        parts = []
+        for ph in sorted(PHASES, key=lambda ph: -abs(_miss(r, ph))):
+            m = _miss(r, ph)
+            if m == m and abs(m) >= MISS_SHARE * r["step_ms"]:
+                parts.append(f"{ph} {m:+.1f} ms (predicted {_fmt(r[f'pred_{ph}_ms'])}, "
+                             f"measured {_fmt(r[f'{ph}_ms'])})")
+        lines.append(f"- **{r['point']}**: efficiency {_fmt(r['pred_efficiency'])} predicted vs "
+                     f"{_fmt(r['efficiency'])} measured ({err:+.0f}%); step "
+                     f"{_fmt(r['pred_step_ms'])} vs {_fmt(r['step_ms'])} ms: "
+                     + ("; ".join(parts) or "no single phase; the misses add up") + "."
+                     + _others(r))
+    return lines
+
+
+def _others(r: dict) -> str:
+    """The machine's other load where it differed between what the prediction used (the N=1
+    point, the probe) and the point it predicts: a cause no model of ours sees coming."""
+    cores = [r.get(k, float("nan")) for k in ("other_cores", "baseline_other_cores",
+                                              "probe_other_cores")]
+    known = [c for c in cores if c == c]
+    if len(known) < 2 or max(known) - min(known) < 0.25:
+        return ""
+    return (f" Other work on the machine (cores): {_fmt(cores[0])} during the point, "
+            f"{_fmt(cores[1])} during its N=1 point, {_fmt(cores[2])} during its probe.")
+
+
+def _miss(r: dict, ph: str) -> float:
+    return r.get(f"pred_{ph}_ms", float("nan")) - r.get(f"{ph}_ms", float("nan"))
+
+
 # The closing section of report.md.
 HOW_TO_READ = [
     "- **efficiency** = img/s at N / (N x img/s at N=1 of the same sync and setting "
@@ -155,17 +274,25 @@ HOW_TO_READ = [
     "scaling the global batch is fixed (per-rank batch = global / N), the same formula "
     "is T_1 / (N T_N) for one global batch, and it also loses the per-GPU efficiency of "
     "smaller batches and the optimizer step, which does not shrink with the batch.",
-    "- **step breakdown** (ms, medians over timed steps): `compute` = forward + backward, "
-    "`exposed_comm` = the time the step waits for gradients beyond compute, `data`, "
-    "`optim`, and `other` = median step - the sum of the phase medians (medians do not "
-    "add up exactly). DDP waits for its all-reduces inside backward: unless the loop "
-    "reports `time_ms.exposed_comm`, the exposed part is estimated as backward at N - "
-    "backward at N=1 (weak scaling only; `comm_source` says which was used).",
+    "- **the step by phase** (ms, medians over timed steps): `data`, `forward`, `backward` "
+    "(without communication: the loop's calibration, `time_ms.backward_local`), `sync` (the "
+    "sync's own local work, measured at N=1 where nothing is sent: DDP copies every gradient "
+    "into its buckets and back), `exposed_comm` (what the gradient sync costs beyond that: "
+    "backward + comm - backward without communication - sync; 0 at N=1), `guard` (the "
+    "non-finite check and, at N > 1, its all-reduce of the ranks' flags), `optim`, and `other` "
+    "= median step - the sum of the phase medians (medians do not add up exactly).",
+    "- **the model** predicts each phase from the N=1 point's, the interference probe at N "
+    "(contention, the slowdowns, when each gradient is ready) and the all-reduce fit; "
+    "`ddp_lab/scale/predict.py` has the formulas. Nothing is fitted to the points it is judged "
+    "on; `measured / predicted (error)` in each cell.",
     "- **comm_bytes_per_step**: bytes rank 0 sends per step as the sync reports them; "
     "**busbw_GBps** = gradient bytes x 2(N-1)/N / communication time (nccl-tests' bus "
-    "bandwidth), from the exposed time (`busbw_source=exposed`, an upper bound whenever "
-    "communication overlaps backward) unless the sync reports its busy time.",
-    "- **rank_skew** = slowest / fastest rank's median step - 1: stragglers.",
+    "bandwidth), from the sync's busy time; `calib_busbw_GBps` is what the fit predicts for "
+    "the same buckets, `probe_busbw_GBps` / `probe_loaded_busbw_GBps` what the probe measured "
+    "alone / beside backward.",
+    "- **rank_skew** = slowest / fastest rank's median step - 1: stragglers. **load_avg** and "
+    "**other_cores** (cores busy with anything but the point while it ran): a shared machine's "
+    "other users, whose share of the cores no model of ours can know in advance.",
     "- The CPU profile (gloo on a few cores) shows the machinery, not GPU scaling: ranks "
     "share cores and memory bandwidth with each other and with gloo's threads.",
 ]
@@ -180,27 +307,16 @@ def report(rows: list[dict], fits: dict, man: dict, out_dir: str, extra: str = "
     mode = rows[0]["mode"] if rows else "weak"
     lines = [
         "# Scaling report", "",
-        f"{len(ok)} of {len(rows)} points ran; {mode} scaling; device: {dev}; torch "
-        f"{prov['torch']}, CUDA {prov['cuda']}, NCCL {prov['nccl'] or 'n/a'}; commit "
-        f"{prov['git_commit']}.",
+        f"{len(ok)} of {len(rows)} points ran; {mode} scaling; device: {dev}; load average as "
+        f"the points finished (1, 5, 15 min) "
+        f"{_load(prov)}; torch {prov['torch']}, CUDA {prov['cuda']}, NCCL "
+        f"{prov['nccl'] or 'n/a'}; commit {prov['git_commit']}.",
         f"Point settings: profile `{man['profile']}`, training overrides "
         f"`{' '.join(man['point_overrides']) or '(none)'}`; each point's command is the first "
         "line of its `points/<name>/launcher.log`.",
         "", "## Measured", "", md_table(ok, TABLE_COLUMNS), "",
     ]
-    if fits:
-        lines += ["## Alpha-beta fits (all-reduce time = steps x alpha + critical bytes x beta)", "",
-                  md_table([f.as_row() for f in fits.values()],
-                           ["algo", "backend", "alpha_us", "bandwidth_GBps", "r2",
-                            "max_rel_err_pct", "points", "world_sizes"]), ""]
-    pred = [r for r in ok if r.get("pred_efficiency") == r.get("pred_efficiency")
-            or r.get("pred_note")]
-    if pred:
-        lines += ["## Model vs measurement", "",
-                  "Predicted from the N=1 point's phases, the buckets, the algorithm's cost, the "
-                  "fitted alpha-beta and the overlap model (`ddp_lab/cost/network.py`). "
-                  "`pred_err_pct` = (predicted - measured) / measured efficiency.", "",
-                  md_table(pred, PRED_COLUMNS), ""]
+    lines += model_sections(ok, fits)
     if failed:
         lines += ["## Points that did not run", "",
                   md_table(failed, ["point", "status", "error"]), ""]
@@ -212,6 +328,48 @@ def report(rows: list[dict], fits: dict, man: dict, out_dir: str, extra: str = "
     with open(path, "w") as f:
         f.write("\n".join(lines))
     return path
+
+
+def _load(prov: dict) -> str:
+    load = prov.get("loadavg_1_5_15min")
+    return " / ".join(f"{x:.2f}" for x in load) if isinstance(load, (list, tuple)) else "n/a"
+
+
+def model_sections(ok: list[dict], fits: dict) -> list[str]:
+    """report.md: the fits, the model phase by phase, its misses, the interference measured."""
+    lines = []
+    if fits:
+        lines += ["## All-reduce fits (time = steps x alpha + critical bytes x beta, per "
+                  "message-size regime)", "", md_table([f.as_row() for f in fits.values()],
+                                                       FIT_COLUMNS), "",
+                  "`r2_one_line` / `max_rel_err_one_line_pct`: one alpha-beta line over the "
+                  "whole table, for comparison.", ""]
+    pred = [r for r in ok if r.get("pred_efficiency") == r.get("pred_efficiency")
+            or r.get("pred_note")]
+    if pred:
+        lines += ["## Model vs measurement, phase by phase", "",
+                  "Each cell: measured / predicted (error), in ms except efficiency. The "
+                  "prediction starts from the N=1 point of the same sync and the measurements "
+                  "made on their own at each N (`ddp_lab/scale/predict.py`).", "",
+                  md_table(phase_rows(pred), phase_columns()), ""]
+        worst = misses(pred)
+        lines += ["### Where the model misses (efficiency off by more than 10%)", "",
+                  *(worst or ["- nowhere: every point within 10%."]), ""]
+        lines += ["## Interference and bandwidth", "",
+                  "`contention`: backward with every rank computing / with one (probe); "
+                  "`compute_slowdown`, `comm_slowdown`: backward with all-reduces beside it / "
+                  "without, all-reduces with backward beside them / without; bandwidths of the "
+                  "point's gradient buckets as the fit prices them, as the probe measured them "
+                  "alone and beside backward, and as the training achieved them (`busbw_GBps`, "
+                  "our syncs).", "", md_table(pred, BANDWIDTH_COLUMNS), ""]
+    if any(r.get("passes", 1) > 1 for r in ok):
+        lines += ["## Passes", "",
+                  "Every point ran `passes` times, each followed by its probe; a row is the pass "
+                  "(`pass`) with the median efficiency, whole: the point against its N=1 point of "
+                  "the same pass, predicted from that pass's measurements. Every pass's "
+                  "efficiency and prediction, and the cores other work kept busy during the "
+                  "point, its N=1 point and its probe:", "", md_table(ok, PASS_COLUMNS), ""]
+    return lines
 
 
 def timelines(ok: list[dict], out_dir: str) -> list[str]:

@@ -19,6 +19,7 @@ N x efficiency.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +66,8 @@ class Point:
     wall_s: float = float("nan")
     summary: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)  # the point's resolved training config
+    load_avg: float = float("nan")  # the machine's 1-minute load average as the point ended
+    other_cores: float = float("nan")  # cores busy with anything but the point while it ran
 
     @property
     def series(self) -> str:
@@ -226,11 +229,13 @@ def launch(point: Point, env: dict, timeout_s: float, keep_checkpoints: bool) ->
         shutil.rmtree(point.run_dir)  # a stale summary.json must never be read as this run's
     os.makedirs(point.run_dir)
     log_path = os.path.join(point.run_dir, "launcher.log")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     point.returncode, timed_out = run_logged(torchrun_cmd(point), env, log_path, timeout_s)
     if timed_out:
         point.status = "timeout"
     point.wall_s = time.perf_counter() - t0
+    point.other_cores = others_cores(cpu0, cpu_seconds(), point.wall_s)
+    point.load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     summary_path = os.path.join(point.run_dir, "summary.json")
     if point.status == "timeout":
         point.error = f"killed after {timeout_s:.0f} s\n" + tail(log_path)
@@ -250,6 +255,26 @@ def launch(point: Point, env: dict, timeout_s: float, keep_checkpoints: bool) ->
         for name in os.listdir(point.run_dir):
             if name.startswith("checkpoint") and name.endswith(".pt"):
                 os.remove(os.path.join(point.run_dir, name))
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds the whole machine has been busy, CPU seconds of our finished children):
+    their differences over a point say how busy the machine was with anything else (Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return float("nan"), float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    t = os.times()
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), t.children_user + t.children_system
+
+
+def others_cores(before: tuple, after: tuple, wall_s: float) -> float:
+    """Cores busy with other work (other users, the sweep itself) on average over `wall_s`."""
+    if wall_s <= 0 or any(x != x for x in (*before, *after)):
+        return float("nan")
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall_s
 
 
 def run_logged(cmd: list[str], env: dict, log_path: str, timeout_s: float) -> tuple[int, bool]:
@@ -281,6 +306,20 @@ def _stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def repeat_suffix(repeat: int) -> str:
+    return f".r{repeat + 1}" if repeat else ""
+
+
+def for_repeat(p: Point, repeat: int) -> Point:
+    """The point's run for pass `repeat` (0: the point itself, in points/<name>/; then
+    points/<name>.r2/, ...)."""
+    if repeat == 0 or p.status in ("missing", "skipped"):
+        return p
+    return dataclasses.replace(p, run_dir=p.run_dir + repeat_suffix(repeat), summary={},
+                               config=dict(p.config), status="planned", error="",
+                               returncode=None, wall_s=float("nan"))
+
+
 def collect_point(run_dir: str) -> Point:
     """A point from an existing run directory (a multi-node run, say): its summary and config."""
     run_dir = os.path.abspath(run_dir)
@@ -302,22 +341,19 @@ def _nan(x) -> float:
 
 
 def phases(summary: dict) -> dict[str, float]:
-    """compute / exposed comm / data / optimizer (ms) from summary.json's time_ms. Where the
-    training loop reports them, `compute` (forward + backward without communication) and
-    `exposed_comm` are used; otherwise compute = forward + backward and exposed = comm, which
-    under DDP (waiting inside backward) undercounts communication as compute."""
+    """The loop's phase medians (ms) from summary.json's time_ms. `backward` is backward without
+    communication where the loop calibrated it (`backward_local`), and `lost` what the step
+    spends on the gradient sync beyond it: backward + comm - backward_local (the loop's
+    exposed_comm, unclipped; DDP waits inside backward, ours in `comm`). Without calibration
+    backward is as timed, which under DDP counts its waiting as compute."""
     t = summary.get("time_ms", {})
-    forward, backward = _nan(t.get("forward")), _nan(t.get("backward"))
-    if "compute" in t and "exposed_comm" in t:
-        compute, exposed, source = _nan(t["compute"]), _nan(t["exposed_comm"]), "exposed_comm"
-        backward_local = _nan(t.get("backward_local", compute - forward))
-    else:
-        compute, exposed, source = forward + backward, _nan(t.get("comm")), "comm"
-        backward_local = backward
-    return {"step_ms": _nan(t.get("step")), "compute_ms": compute, "forward_ms": forward,
-            "backward_ms": backward_local, "exposed_comm_ms": exposed,
-            "data_ms": _nan(t.get("data")), "optim_ms": _nan(t.get("optim")),
-            "comm_busy_ms": _nan(t.get("comm_busy")), "comm_source": source}
+    backward, comm = _nan(t.get("backward")), _nan(t.get("comm", 0.0))
+    local = _nan(t["backward_local"]) if "backward_local" in t else backward
+    return {"step_ms": _nan(t.get("step")), "data_ms": _nan(t.get("data")),
+            "forward_ms": _nan(t.get("forward")), "backward_ms": local,
+            "lost_ms": backward + comm - local, "guard_ms": _nan(t.get("guard", 0.0)),
+            "optim_ms": _nan(t.get("optim")), "comm_busy_ms": _nan(t.get("comm_busy")),
+            "comm_source": "exposed_comm" if "backward_local" in t else "comm"}
 
 
 def grad_bytes(point: Point) -> float:
@@ -335,23 +371,28 @@ def baseline(p: Point, points: list[Point]) -> Point | None:
     return None
 
 
-def point_phases(p: Point, b: Point | None) -> dict:
-    """The point's step breakdown (ms), DDP's exposed communication estimated where the loop
-    does not report it, and `other`: what the phases' medians leave of the median step."""
+def booked_phases(p: Point, b: Point | None) -> dict:
+    """The point's step as the report books it (ms): data, forward, backward (without
+    communication), sync, exposed_comm, guard, optim and other (what the medians leave of the
+    median step). `sync` is the sync's own local work, what it costs at N=1 where nothing is
+    sent (DDP copies every gradient into its buckets and back), taken from the N=1 point `b` of
+    the same sync; exposed_comm is what the gradient sync costs beyond it (0 at N=1)."""
     s = p.summary
     ph = phases(s) if s else dict.fromkeys(phases({}), float("nan"))
     if s and ph["comm_source"] == "comm" and p.sync == "ddp" and b is not None \
             and p.mode == "weak" and p.world_size > 1:
-        # DDP waits for its all-reduces inside backward and the loop does not (yet) measure
-        # how long: estimate the exposed part as the backward it added over the N=1 point
-        # (same per-rank batch in weak scaling), and move it from compute to communication.
+        # No calibration: estimate DDP's waiting as the backward it added over N=1.
         extra = max(0.0, ph["backward_ms"] - phases(b.summary)["backward_ms"])
-        ph.update(exposed_comm_ms=ph["exposed_comm_ms"] + extra,
-                  compute_ms=ph["compute_ms"] - extra, backward_ms=ph["backward_ms"] - extra,
+        ph.update(lost_ms=ph["lost_ms"] + extra, backward_ms=ph["backward_ms"] - extra,
                   comm_source="backward-backward(N=1)")
-    # Medians of the phases need not add up to the median step: the rest is `other`.
-    ph["other_ms"] = ph["step_ms"] - sum(ph[k] for k in ("compute_ms", "exposed_comm_ms",
-                                                         "data_ms", "optim_ms"))
+    base = phases(b.summary) if b is not None and b.sync == p.sync else None
+    sync = max(0.0, base["lost_ms"]) if base is not None and base["lost_ms"] == base["lost_ms"] \
+        else 0.0
+    ph["sync_ms"] = sync
+    ph["exposed_comm_ms"] = max(0.0, ph.pop("lost_ms") - sync)
+    ph["other_ms"] = ph["step_ms"] - sum(ph[f"{k}_ms"] for k in (
+        "data", "forward", "backward", "sync", "exposed_comm", "guard", "optim"))
+    ph["compute_ms"] = ph["forward_ms"] + ph["backward_ms"]
     return ph
 
 
@@ -385,7 +426,7 @@ def point_row(p: Point, b: Point | None) -> dict:
            "timed_steps": s.get("timed_steps", 0)}
     thr = _nan(s.get("train_img_per_s")) if s else float("nan")
     thr1 = _nan(b.summary.get("train_img_per_s")) if b else float("nan")
-    ph = point_phases(p, b)
+    ph = booked_phases(p, b)
     gb = grad_bytes(p) if s else float("nan")
     busbw, bw_source = bus_bandwidth(p, ph, gb)
     ranks = [x for x in s.get("rank_step_ms", []) if x == x]
@@ -397,7 +438,9 @@ def point_row(p: Point, b: Point | None) -> dict:
         "comm_bytes_per_step": s.get("comm_bytes_per_step", float("nan")) if s else float("nan"),
         "grad_bytes": gb, "busbw_GBps": busbw, "busbw_source": bw_source if n > 1 else "",
         "rank_skew": (max(ranks) / min(ranks) - 1) if len(ranks) > 1 and min(ranks) > 0 else 0.0,
-        "wall_s": p.wall_s, "error": p.error.replace("\n", " | ")[-600:],
+        "wall_s": p.wall_s, "load_avg": p.load_avg, "other_cores": p.other_cores,
+        "baseline_other_cores": b.other_cores if b is not None else float("nan"),
+        "error": p.error.replace("\n", " | ")[-600:],
     })
     if p.status != "ok":
         row.update(comm_source="", busbw_source="", rank_skew=float("nan"))
@@ -409,51 +452,11 @@ def rows_from_points(points: list[Point]) -> list[dict]:
     return [point_row(p, baseline(p, points) if p.status == "ok" else None) for p in points]
 
 
-# ---- the model's prediction of each point ------------------------------------------------------
-
-def predict_rows(rows: list[dict], points: list[Point], fits: dict) -> None:
-    """Add the alpha-beta + overlap model's exposed communication and efficiency to every ok row,
-    from its baseline's single-rank phases (columns pred_*)."""
-    by_name = {p.name: p for p in points}
-    for row in rows:
-        row.update({"pred_bytes_per_step": float("nan"), "pred_exposed_comm_ms": float("nan"),
-                    "pred_step_ms": float("nan"), "pred_efficiency": float("nan"),
-                    "pred_err_pct": float("nan"), "pred_note": ""})
-        p = by_name[row["point"]]
-        if p.status != "ok":
-            continue
-        n, sync = p.world_size, p.sync
-        algo = "native" if sync == "ddp" else sync
-        row["pred_bytes_per_step"] = (net.bytes_per_step(algo, row["grad_bytes"], n)
-                                      if sync != "none" else 0.0)
-        b = by_name.get(row["baseline"])
-        if b is None:
-            row["pred_note"] = "no N=1 point"
-            continue
-        base = phases(b.summary)
-        fit = fits.get((algo, row["backend"])) or fits.get(("native", row["backend"]))
-        if n > 1 and fit is None:
-            row["pred_note"] = f"no alpha-beta fit for {algo} on {row['backend']}"
-            continue
-        scfg = p.config.get("sync", {})
-        mcfg = p.config.get("model", {})
-        profile = net.profile_model(mcfg.get("name", row["model"]), mcfg.get("image_size"),
-                                    p.config.get("data", {}).get("num_classes"))
-        network = net.Network(f"fit_{row['backend']}", fits={algo: fit} if fit else {})
-        r = p.per_rank_batch / b.per_rank_batch  # strong scaling: less work per rank
-        other = base["step_ms"] - base["forward_ms"] - base["backward_ms"] - base["exposed_comm_ms"]
-        other -= base["optim_ms"]  # data and what the phases do not name scale with the batch
-        pred = net.predict_step(
-            profile, network, algo, n, forward_s=base["forward_ms"] * r * 1e-3,
-            backward_s=base["backward_ms"] * r * 1e-3,
-            other_s=(other * r + base["optim_ms"]) * 1e-3,
-            bucket_mb=float(scfg.get("bucket_mb", 25.0)),
-            elem_bytes=net.GRAD_BYTES.get(scfg.get("comm_dtype", "fp32"), 4),
-            overlap=bool(scfg.get("overlap", True)) or sync == "ddp",
-            first_bucket_mb=1.0 if sync == "ddp" else None)
-        step1 = base["step_ms"] - base["exposed_comm_ms"]
-        # efficiency = thr_N / (N thr_1) = (global_N / global_1) * step_1 / (N step_N) = r * step_1 / step_N
-        pred_eff = r * step1 / (pred.step_s * 1e3)
-        row.update({"pred_exposed_comm_ms": pred.exposed_s * 1e3, "pred_step_ms": pred.step_s * 1e3,
-                    "pred_efficiency": pred_eff,
-                    "pred_err_pct": 100 * (pred_eff - row["efficiency"]) / row["efficiency"]})
+def bases(points: list[Point]) -> dict[str, dict]:
+    """point name -> the booked phases of its N=1 baseline (what the model starts from)."""
+    out = {}
+    for p in points:
+        b = baseline(p, points) if p.status == "ok" else None
+        if b is not None:
+            out[p.name] = {**booked_phases(b, b), "per_rank_batch": b.per_rank_batch}
+    return out
