@@ -12,6 +12,10 @@ Assumptions (all in conf/scale.yaml's `sim` block, changeable on the command lin
 - algorithms: naive (everything through rank 0), ring (flat, through every rank), hring
   (two-level ring: intra-node reduce-scatter, inter-node ring, intra-node all-gather), tree
   (binomial reduce + broadcast, the whole message every round).
+- interference: the sweep's model (ddp_lab.cost.network.schedule), with GPU slowdowns assumed
+  (`sim.interference`: backward x1.05 and all-reduces x1.1 while they overlap, NCCL taking SMs
+  and memory bandwidth) until a multi-GPU sweep measures them; every efficiency also comes as a
+  band with both slowdowns from `sim.interference_band[0]` to `[1]` (efficiency_lo/_hi).
 """
 
 from __future__ import annotations
@@ -241,9 +245,7 @@ def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] 
     times, source = compute_times(sim, measured or {})
     nets = networks(sim, fits)
     buckets = sorted(set(list(sim.bucket_sweep) + [sim.bucket_mb]), key=lambda b: b or math.inf)
-    rows = net.simulate(times, nets, list(sim.world_sizes), list(sim.grad_dtypes), buckets,
-                        batch_per_gpu=sim.batch_per_gpu, overlap=sim.overlap,
-                        compute_source=source)
+    rows = simulate_with_band(sim, times, nets, buckets, source)
     write_rows(rows, out_dir, "simulation")
     main = next((n for n in nets if n.name == sim.network), nets[0])
     out = Sections(["## Simulation", "",
@@ -252,7 +254,7 @@ def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] 
                     f"otherwise. Network `{main.name}`: {main.note}. Compute per step (forward + "
                     "backward, ms): "
                     + ", ".join(f"{m} {1e3 * t:.1f} ({source[m]})" for m, t in times.items())
-                    + ".", ""])
+                    + f". {interference_note(sim)}", ""])
     for m in times:
         table = model_efficiency(rows, main, m, sim)
         if table:
@@ -261,6 +263,10 @@ def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] 
                       table)
     out.table(f"Efficiency by network ({sim.grad_dtypes[-1]} gradients, {sim.bucket_mb:g} MB "
               "buckets)", network_efficiency(rows, nets, times, sim))
+    out.table(f"Interference band on {main.name} ({_best_algo(main)}, {sim.grad_dtypes[-1]}, "
+              f"{sim.bucket_mb:g} MB): efficiency with both slowdowns at "
+              f"{sim.interference_band[1]:g} / as assumed / {sim.interference_band[0]:g}",
+              band_table(rows, main, times, sim))
     ar = allreduce_rows(main, sim.world_sizes)
     write_rows(ar, out_dir, "simulation_allreduce")
     out.table(f"Fastest all-reduce per message size on {main.name}",
@@ -275,6 +281,43 @@ def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] 
     plot(rows, main, times, sim, os.path.join(out_dir, "simulation.png"))
     say("\n".join(out.text))
     return "\n".join(out.md)
+
+
+def interference_note(sim) -> str:
+    i = sim.interference
+    return (f"Interference assumed for GPUs (no multi-GPU run has measured it here yet): "
+            f"backward x{float(i['compute']):g} and all-reduces x{float(i['comm']):g} while they "
+            f"overlap; bands: both slowdowns from {sim.interference_band[0]:g} to "
+            f"{sim.interference_band[1]:g}.")
+
+
+def simulate_with_band(sim, times: dict, nets: list, buckets: list, source: dict) -> list[dict]:
+    """The simulation with the assumed interference; each row also with the band's ends."""
+    run = lambda inter: net.simulate(times, nets, list(sim.world_sizes), list(sim.grad_dtypes),
+                                     buckets, batch_per_gpu=sim.batch_per_gpu,
+                                     overlap=sim.overlap, compute_source=source,
+                                     interference=inter)
+    i = sim.interference
+    rows = run(net.Interference(float(i["compute"]), float(i["comm"])))
+    lo, hi = (run(net.Interference(float(x), float(x))) for x in sim.interference_band)
+    for r, a, b in zip(rows, lo, hi):
+        r["efficiency_lo"], r["efficiency_hi"] = b["efficiency"], a["efficiency"]  # hi: least
+    return rows
+
+
+def band_table(rows, main: net.Network, times: dict, sim) -> list[dict]:
+    algo, dtype = _best_algo(main), sim.grad_dtypes[-1]
+    table = []
+    for m in times:
+        row = {"model": m}
+        for n in sim.world_sizes:
+            r = pick(rows, network=main.name, model=m, grad_dtype=dtype, algo=algo, world_size=n,
+                     bucket_mb=sim.bucket_mb)
+            if r:
+                row[str(n)] = (f"{_pct(r[0]['efficiency_lo'])} / {_pct(r[0]['efficiency'])} / "
+                               f"{_pct(r[0]['efficiency_hi'])}")
+        table.append(row)
+    return table
 
 
 def _md(table: list[dict]) -> str:
@@ -295,10 +338,14 @@ def _plot_model(ax, rows, main, m: str, sim) -> None:
                          and r["algo"] == algo and r["grad_dtype"] == dtype
                          and r["bucket_mb"] == sim.bucket_mb), key=lambda r: r["world_size"])
             if rs:
-                ax.plot([r["world_size"] for r in rs], [r["efficiency"] for r in rs], ls=ls,
-                        marker="o", ms=3, color=ALGO_COLORS.get(algo),
-                        label=f"{algo} {dtype}")
-    ax.set_title(f"{m} on {main.name}", fontsize=9)
+                xs = [r["world_size"] for r in rs]
+                ax.plot(xs, [r["efficiency"] for r in rs], ls=ls, marker="o", ms=3,
+                        color=ALGO_COLORS.get(algo), label=f"{algo} {dtype}")
+                if "efficiency_lo" in rs[0]:  # the interference band
+                    ax.fill_between(xs, [r["efficiency_lo"] for r in rs],
+                                    [r["efficiency_hi"] for r in rs], alpha=0.12,
+                                    color=ALGO_COLORS.get(algo), lw=0)
+    ax.set_title(f"{m} on {main.name} (bands: interference)", fontsize=9)
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("GPUs")
