@@ -44,6 +44,8 @@ memory per rank (P parameter bytes, fp32)
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -63,6 +65,7 @@ class ShardedSync(BucketedSync):
         self.shards: list[torch.Tensor] = []  # per bucket: this rank's shard of it (a view)
         self.grads: list[torch.Tensor] = []  # per bucket: the shard's gradient, kept across steps
         self._gather_bytes = 0  # sent by the last all-gather of the parameters
+        self._gather_ms = float("nan")  # and its time (CPU), exposed: the step waits for it
 
     def prepare(self, model: nn.Module) -> nn.Module:
         super().prepare(model)  # rank 0's parameters everywhere, buckets, hooks
@@ -113,15 +116,17 @@ class ShardedSync(BucketedSync):
     def gather_params(self) -> None:
         """Every rank's updated shards into every bucket's parameters (after optimizer.step).
         Counted with the next step's reduction (bytes_per_step: from one finish() to the next)."""
-        before = self._recorder.bytes_sent
+        before, start = self._recorder.bytes_sent, time.perf_counter()
         with torch.no_grad():
             for b, (shard, flat) in enumerate(zip(self.shards, self.flats)):
                 self._communicate(b, comm.all_gather, shard, flat, span="all_gather")
         self._gather_bytes = self._recorder.bytes_sent - before
+        # (CUDA: the host only launched it; its time is in comm_busy_ms, from events)
+        self._gather_ms = (time.perf_counter() - start) * 1e3 if not self.cuda else float("nan")
 
     def comm_stats(self) -> dict:
         return {**super().comm_stats(), "zero": self.stage,
-                "gather_bytes_per_step": self._gather_bytes,
+                "gather_bytes_per_step": self._gather_bytes, "gather_ms": self._gather_ms,
                 "shard_numel": [s.numel() for s in self.shards]}
 
     # ---- the optimizer over this rank's shards ----
