@@ -147,3 +147,46 @@ def test_bucket_rules_match_the_syncs():
     assert net.bucket_layout(numels, 4, 0, "ddp") == [4 * sum(numels)]
     grads = list(zip(numels, [0.0, 0.1, 0.3, 0.2, 1.0]))  # measured readiness may cross
     assert [b.ready for b in net.buckets_of(grads, 4, 25, "ours")] == [0.3, 0.2, 1.0]
+
+
+def _row(point, n, measured, predicted, **extra):
+    from ddp_lab.scale.predict import PHASES
+
+    row = {"point": point, "status": "ok", "world_size": n, "sync": "ring", "setting": "",
+           "mode": "weak", "device": "cpu", "img_per_s": 10.0 * n, "model": "alexnet_cifar",
+           **{f"{ph}_ms": measured.get(ph, 1.0) for ph in PHASES},
+           **{f"pred_{ph}_ms": predicted.get(ph, 1.0) for ph in PHASES}, **extra}
+    row["step_ms"] = sum(row[f"{ph}_ms"] for ph in PHASES)
+    row["pred_step_ms"] = sum(row[f"pred_{ph}_ms"] for ph in PHASES)
+    return row
+
+
+def test_report_and_csv_have_the_phase_by_phase_table(tmp_path):
+    """report.md: measured / predicted (error) per phase and point, and the phase a miss comes
+    from in words; scaling.csv: each phase's measured and predicted column."""
+    from ddp_lab.scale import outputs
+    from ddp_lab.scale.predict import PHASES
+
+    one = _row("n1-ring", 1, {"backward": 100.0}, {"backward": 100.0})
+    two = _row("n2-ring", 2, {"backward": 100.0, "exposed_comm": 150.0},
+               {"backward": 100.0, "exposed_comm": 50.0})
+    for r, step1 in ((one, one["step_ms"]), (two, one["step_ms"])):
+        r["efficiency"] = step1 / r["step_ms"]
+        r["pred_efficiency"] = step1 / r["pred_step_ms"]
+        r["pred_err_pct"] = 100 * (r["pred_efficiency"] / r["efficiency"] - 1)
+    man = {"provenance": {"gpus": [], "cpu_count": 2, "torch": "x", "cuda": None, "nccl": None,
+                          "git_commit": "abc", "loadavg_1_5_15min": [1.0, 2.0, 3.0]},
+           "profile": "cpu", "point_overrides": []}
+    text = open(outputs.report([one, two], {}, man, str(tmp_path))).read()
+    assert "## Model vs measurement, phase by phase" in text and "1.00 / 2.00 / 3.00" in text
+    section = text.split("## Model vs measurement, phase by phase")[1]
+    line = next(x for x in section.splitlines() if x.startswith("| n2-ring | "))
+    assert "150 / 50 (-67%)" in line  # exposed_comm: measured / predicted (error)
+    miss = next(x for x in text.splitlines() if x.startswith("- **n2-ring**"))
+    assert "exposed_comm -100.0 ms (predicted 50, measured 150)" in miss
+    assert "n1-ring**" not in text  # on the mark: not a miss
+    header = open(outputs.write_csv([one, two], str(tmp_path))).readline()
+    assert all(f"{ph}_ms" in header and f"pred_{ph}_ms" in header for ph in PHASES)
+    outputs.plot([one, two], str(tmp_path / "scaling.png"))
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    assert outputs.x_label([one, two]) == "CPU processes (world size)"

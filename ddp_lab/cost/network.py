@@ -121,8 +121,9 @@ class Fit:
         def one(r: Regime, hi: float | None) -> str:
             where = (f">={_kib(r.lo_bytes)}" if hi is None else
                      f"<{_kib(hi)}" if r.lo_bytes == 0 else f"{_kib(r.lo_bytes)}-{_kib(hi)}")
-            bw = 1e-9 / r.beta_s_per_byte if r.beta_s_per_byte > 0 else float("inf")
-            return f"{where}: {r.alpha_s * 1e6:.0f} us, {bw:.2g} GB/s"
+            bw = (f"{1e-9 / r.beta_s_per_byte:.2g} GB/s" if r.beta_s_per_byte > 0
+                  else "latency only")
+            return f"{where}: {r.alpha_s * 1e6:.0f} us, {bw}"
         if len(self.regimes) == 1:
             return one(self.regimes[0], None).split(": ", 1)[1]
         his = [r.lo_bytes for r in self.regimes[1:]] + [None]

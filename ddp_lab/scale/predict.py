@@ -128,13 +128,16 @@ def comm_schedules(row: dict, point, fit: net.Fit | None, probe: Probe | None,
     their thread, at the probe's bytes per second), which the N=1 point already paid (`sync`)."""
     n, algo = point.world_size, _algo(point.sync)
     buckets = _buckets(row, point, probe)
-    local = 0.0
+    local, concurrency = 0.0, 1.0
     if probe is not None and algo != "native":  # (DDP copies inside backward: booked in sync)
         local = probe.algos.get(algo, {}).get("local_s_per_byte", 0.0)
+    elif probe is not None:  # DDP's all-reduces may run side by side on the backend's threads
+        concurrency = min(1.0, probe.algos.get(algo, {}).get("concurrency", 1.0))
     overlap = bool(point.config.get("sync", {}).get("overlap", True)) or point.sync == "ddp"
     inter = probe.interference(algo) if probe is not None else net.NO_INTERFERENCE
     backward = backward_ms * 1e-3
-    at_n = net.schedule(buckets, backward, lambda nb: fit.time_s(nb, n) + nb * local, overlap,
+    at_n = net.schedule(buckets, backward,
+                        lambda nb: fit.time_s(nb, n) * concurrency + nb * local, overlap,
                         inter) if fit is not None and n > 1 else net.schedule([], backward, None)
     alone = net.schedule(buckets if local else [], backward, lambda nb: nb * local, overlap, inter)
     return at_n, alone
@@ -259,22 +262,40 @@ def predict_rows(rows: list[dict], points: list, fits: dict, probes: dict,
 
 def merge_passes(per_pass: list[list[dict]]) -> list[dict]:
     """One row per point from its rows of every pass (`repeats`): the pass with the median
-    efficiency (at N=1: the median step), whole. Each pass's efficiency is a point against its
-    N=1 point of the same pass, predicted with the probe run right after it: minutes apart, under
-    about the same load, while a shared machine's load moves between passes. A row keeps its
-    pass's phases, which add up, and its own prediction; `pass` says which it is and
+    efficiency, whole; an N=1 point, the pass its series' largest world size took (so the pair
+    the report compares ran minutes apart), else its median step. Each pass's efficiency is a
+    point against its N=1 point of the same pass, predicted with the probe run right after it:
+    under about the same load, while a shared machine's load moves between passes. A row keeps
+    its pass's phases, which add up, and its own prediction; `pass` says which it is and
     `efficiency_passes` / `pred_efficiency_passes` what every pass gave."""
-    out = []
+    chosen, series_pass = [], {}
     for rows in zip(*per_pass):
         ok = [(i, r) for i, r in enumerate(rows) if r["status"] == "ok"]
+        i = _median_pass(ok, "efficiency" if rows[0]["world_size"] > 1 else "step_ms")
+        chosen.append(i)
+        if ok and rows[0]["world_size"] > 1:
+            key = (rows[0]["sync"], rows[0].get("setting", ""))
+            if rows[0]["world_size"] >= series_pass.get(key, (0, 0))[0]:
+                series_pass[key] = (rows[0]["world_size"], i)
+    out = []
+    for rows, i in zip(zip(*per_pass), chosen):
+        ok = [(j, r) for j, r in enumerate(rows) if r["status"] == "ok"]
         if not ok:
             out.append({**rows[-1], "passes": 0})
             continue
-        key = "step_ms" if ok[0][1]["world_size"] == 1 else "efficiency"
-        ranked = sorted(ok, key=lambda ir: (ir[1][key] != ir[1][key], ir[1][key]))
-        i, chosen = ranked[(len(ranked) - 1) // 2]
-        row = {**chosen, "passes": len(ok), "pass": i + 1}
+        if rows[0]["world_size"] == 1:
+            i = series_pass.get((rows[0]["sync"], rows[0].get("setting", "")), (0, i))[1]
+            i = i if rows[i]["status"] == "ok" else ok[0][0]
+        row = {**rows[i], "passes": len(ok), "pass": i + 1}
         for k in ("efficiency", "pred_efficiency"):
             row[f"{k}_passes"] = " ".join(f"{r[k]:.3g}" for _, r in ok)
         out.append(row)
     return out
+
+
+def _median_pass(ok: list[tuple[int, dict]], key: str) -> int:
+    """The index of the pass with the median `key` (the lower one of an even count)."""
+    if not ok:
+        return 0
+    ranked = sorted(ok, key=lambda ir: (ir[1][key] != ir[1][key], ir[1][key]))
+    return ranked[(len(ranked) - 1) // 2][0]
