@@ -151,6 +151,16 @@ def write_rows(rows: Sequence[dict], out_dir: str, name: str) -> tuple[str, str]
     return jsonl, csv_path
 
 
+def series_of(rows: Sequence[dict], name: str, x: str, y: str) -> dict[str, tuple[list, list]]:
+    """Rows -> {row[name]: (xs, ys)}, for plot_lines: one line per value of `name`."""
+    series: dict[str, tuple[list, list]] = {}
+    for r in rows:
+        xs, ys = series.setdefault(r[name], ([], []))
+        xs.append(r[x])
+        ys.append(r[y])
+    return series
+
+
 def plot_lines(series: dict[str, tuple[Sequence[float], Sequence[float]]], path: str, *,
                xlabel: str, ylabel: str, title: str = "", logx: bool = False,
                logy: bool = False) -> str:

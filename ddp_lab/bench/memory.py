@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import plot_lines, report, resolve_device, time_fn, write_info
+from ddp_lab.bench.common import (plot_lines, report, resolve_device, series_of, time_fn,
+                                  write_info)
 from ddp_lab.bench.vector_add import random_vector
 from ddp_lab.config import ConfigError
 
@@ -129,12 +130,7 @@ def memory_notes(rows: list[dict]) -> list[str]:
 
 
 def plot_memory(rows: list[dict], run_dir: str) -> None:
-    series = {}
-    for r in rows:
-        xs, ys = series.setdefault(r["kind"], ([], []))
-        xs.append(r["size_mb"])
-        ys.append(r["gbs"])
-    plot_lines(series, os.path.join(run_dir, "memory.png"), xlabel="MB copied",
+    plot_lines(series_of(rows, "kind", "size_mb", "gbs"), os.path.join(run_dir, "memory.png"), xlabel="MB copied",
                ylabel="GB/s", title="memory bandwidth", logx=True, logy=True)
 
 

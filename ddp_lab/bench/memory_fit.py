@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import plot_lines, report, resolve_device, write_info
+from ddp_lab.bench.common import plot_lines, report, resolve_device, series_of, write_info
 from ddp_lab.config import ConfigError
 from ddp_lab.cost import memory as mem
 
@@ -247,11 +247,7 @@ def run(cfg, run_dir: str) -> list[dict]:
                       "the CPU); the difference is cuDNN/cuBLAS workspaces, gradient temporaries "
                       "and the allocator's rounding"])
     if cfg.plot:
-        series = {}
-        for r in rows:
-            xs, ys = series.setdefault(r["scheme"], ([], []))
-            xs.append(r["params_b"])
-            ys.append(r["total_gb"])
+        series = series_of(rows, "scheme", "params_b", "total_gb")
         plot_lines(series, os.path.join(run_dir, "memory_fit.png"), xlabel="parameters (B)",
                    ylabel="GB", title="memory by scheme", logx=True, logy=True)
     write_info(run_dir, "memory_fit", cfg, torch.device("cpu") if not cfg.measure
