@@ -21,7 +21,7 @@ def as_rows(x, y):
     return sorted(zip(map(tuple, x.flatten(1).tolist()), y.tolist()))
 
 
-@pytest.mark.parametrize("data", ["digits", "synthetic"])
+@pytest.mark.parametrize("data", [pytest.param("digits", marks=pytest.mark.slow), "synthetic"])
 def test_two_ranks_see_the_samples_of_one_rank_at_twice_the_batch(data):
     over = [f"data={data}", "data.num_samples=300", "data.augment=true"]
     one = build_data(compose_config(over + ["train.batch_size=32"]), 0, 1, torch.device("cpu"))
@@ -196,11 +196,11 @@ def test_sets_too_large_to_prepare_are_normalised_per_batch(monkeypatch):
         build_data(compose_config(["data.augment=true"]), 0, 1, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("data, dtype", [("digits", torch.bfloat16),
-                                         ("digits data.augment=true", torch.bfloat16),
-                                         ("digits data.augment=true train.channels_last=true",
-                                          torch.bfloat16),
-                                         ("synthetic", torch.bfloat16)])
+@pytest.mark.parametrize("data, dtype", [
+    ("digits", torch.bfloat16),
+    pytest.param("digits data.augment=true", torch.bfloat16, marks=pytest.mark.slow),
+    ("digits data.augment=true train.channels_last=true", torch.bfloat16),
+    ("synthetic", torch.bfloat16)])
 @pytest.mark.parametrize("start_batch", [0, 3])
 def test_batches_fetched_many_at_once_equal_per_batch_fetches(monkeypatch, data, dtype,
                                                               start_batch):
