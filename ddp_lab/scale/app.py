@@ -164,6 +164,11 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
         return None
     env = sweep.point_env(cfg, profile, max(p.world_size for p in points))
     timeout = cfg.point_timeout_s or (300.0 if profile == "cpu" else 600.0)
+    threads = int(env.get("OMP_NUM_THREADS", 0) or 0) * max(p.world_size for p in points)
+    if profile == "cpu" and threads > (os.cpu_count() or 1):
+        say(f"warning: {threads} OpenMP threads at the largest world size on {os.cpu_count()} "
+            "cores: oversubscribed ranks wait for descheduled threads, and their timings (the "
+            "loop's own calibration included) jump between modes several times apart")
     repeats = cfg.repeats or auto_repeats(say)
     say(f"sweep: {len(points)} points ({len(runnable)} to run{f' x {repeats}' * (repeats > 1)}),"
         f" {cfg.mode} scaling, profile {profile}, world sizes "
@@ -182,15 +187,16 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
 
 
 def auto_repeats(say) -> int:
-    """repeats=0: 3 passes where other work keeps the machine busy as the sweep starts (its
-    1-minute load average above half its cores: one pass would measure their load), else 1."""
+    """repeats=0: 3 passes where one stray process can move a point (a machine of 4 cores or
+    fewer, or one whose 1-minute load average is above half its cores as the sweep starts),
+    else 1."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     cores = os.cpu_count() or 1
-    busy = load > 0.5 * cores
-    if busy:
-        say(f"load average {load:.1f} on {cores} cores: a shared machine, 3 passes over every "
-            "point (repeats=1 for one)")
-    return 3 if busy else 1
+    if cores > 4 and load <= 0.5 * cores:
+        return 1
+    say(f"load average {load:.1f} on {cores} cores: 3 passes over every point, each pass "
+        "predicted on its own, a row its median pass (repeats=1 for one)")
+    return 3
 
 
 def say_tables(rows: list[dict], fits: dict, say) -> None:

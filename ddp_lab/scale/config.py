@@ -64,9 +64,9 @@ class ScaleConfig:
     nodes: list[int] = field(default_factory=lambda: [1, 2, 4])  # emit: node counts
     gpus_per_node: int = 0  # emit: 0 = local GPU count (8 without GPUs)
     collect: list[str] = field(default_factory=list)  # point run dirs to tabulate instead of running
-    # Passes over every point (each followed by its interference probe); a point's phases are
-    # the medians over its passes: a shared machine's load drifts over minutes. 0: 3 where the
-    # machine is busy as the sweep starts (1-minute load average above half its cores), else 1.
+    # Passes over every point (each followed by its interference probe); a row is the point's
+    # median pass: a shared machine's load drifts over minutes. 0: 3 on a machine of <= 4 cores
+    # or one busy as the sweep starts (1-minute load average above half its cores), else 1.
     repeats: int = 0
     simulate: str = "true"  # true: sweep then simulation | false | only: simulation alone
     env: dict[str, str] = field(default_factory=lambda: {"NCCL_NVLS_ENABLE": "0"})  # setdefault'ed

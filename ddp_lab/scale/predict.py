@@ -9,9 +9,9 @@ fit (ddp_lab/cost/network.py):
     forward      forward_1 k_fwd
     backward     backward_1 k_bwd                 (without communication: the loop's calibration)
     sync         sync_1                           (the sync's own local work, measured at N=1)
-    exposed      schedule(buckets, backward, all-reduce times, interference).exposed
-                 - the same with nothing sent (the sync's local work: paid in sync_1)
-                 + sync_1 (k_bwd - 1)              (ddp_lab.cost.network.schedule)
+    exposed      schedule(buckets, backward, all-reduce (+ ours: pack, unpack), interference)
+                 .exposed (ddp_lab.cost.network.schedule) + DDP: sync_1 k_bwd (its bucket copies
+                 inside backward), less sync_1 (paid at N=1 too), >= 0
                  + skew_bwd (optim + forward + backward)        (waiting for the slowest rank)
     guard        guard_1 k_guard (1 + skew_guard) + all-reduce of the 2 x N flags (fit, native)
     optim        optim_1 k_optim
@@ -121,11 +121,11 @@ def _buckets(row: dict, point, probe: Probe | None) -> list[net.Bucket]:
                           "ddp" if ddp else "ours", 1.0 if ddp else None)
 
 
-def comm_schedules(row: dict, point, fit: net.Fit | None, probe: Probe | None,
-                   backward_ms: float) -> tuple[net.Schedule, net.Schedule]:
-    """The point's backward and bucket all-reduces as the model plays them at its N, and the
-    same with nothing sent: only the sync's local work (our syncs pack and unpack every bucket on
-    their thread, at the probe's bytes per second), which the N=1 point already paid (`sync`)."""
+def comm_schedule(row: dict, point, fit: net.Fit | None, probe: Probe | None,
+                  backward_ms: float) -> net.Schedule:
+    """The point's backward and bucket all-reduces as the model plays them at its N: each bucket
+    the fit's all-reduce and (our syncs) its pack and unpack on the sync's thread, at the probe's
+    bytes per second."""
     n, algo = point.world_size, _algo(point.sync)
     buckets = _buckets(row, point, probe)
     local, concurrency = 0.0, 1.0
@@ -139,8 +139,7 @@ def comm_schedules(row: dict, point, fit: net.Fit | None, probe: Probe | None,
     at_n = net.schedule(buckets, backward,
                         lambda nb: fit.time_s(nb, n) * concurrency + nb * local, overlap,
                         inter) if fit is not None and n > 1 else net.schedule([], backward, None)
-    alone = net.schedule(buckets if local else [], backward, lambda nb: nb * local, overlap, inter)
-    return at_n, alone
+    return at_n
 
 
 def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None) -> dict:
@@ -152,7 +151,7 @@ def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None
     fit = fits.get((_algo(point.sync), row["backend"])) or fits.get(("native", row["backend"]))
     native = fits.get(("native", row["backend"]))
     backward = base["backward_ms"] * r * k("backward")
-    sched, alone = comm_schedules(row, point, fit, probe, backward)
+    sched = comm_schedule(row, point, fit, probe, backward)
     sync = base["sync_ms"]
     pred = {
         "data": base["data_ms"] * r * k("forward") + (probe.store_ms if probe and n > 1 else 0.0),
@@ -166,8 +165,10 @@ def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None
     # Collectives wait for the slowest rank: the gradient all-reduces for the rank slowest
     # through optim, forward and backward, the guard's for the slowest non-finite check.
     straggler = skew.get("backward", 0.0) * (pred["optim"] + pred["forward"] + backward)
-    pred["exposed_comm"] = (max(0.0, sched.exposed_s - alone.exposed_s) * 1e3
-                            + sync * (k("backward") - 1) + straggler)
+    # What the sync costs beyond backward at N (the loop's exposed_comm): the schedule's, and
+    # DDP's bucket copies inside backward as slowed there; less what N=1 paid (booked in sync).
+    lost = sched.exposed_s * 1e3 + (sync * k("backward") if point.sync == "ddp" else 0.0)
+    pred["exposed_comm"] = max(0.0, lost - sync) + straggler
     pred["guard"] *= 1 + skew.get("guard", 0.0)
     pred["guard"] += native.time_s(8 * n, n) * 1e3 if native and n > 1 else 0.0
     out = {f"pred_{ph}_ms": pred[ph] for ph in PHASES}
