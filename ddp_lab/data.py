@@ -282,6 +282,7 @@ class BatchStream:
 
     def __init__(self, dataset, indices_for_epoch, batch_size: int, device, drop_last: bool):
         self.dataset, self.indices_for_epoch = dataset, indices_for_epoch
+        self.last_epoch: int | None = None  # the last the run reads (the trainer sets it)
         self.batch_size, self.device, self.drop_last = batch_size, device, drop_last
 
     def num_batches(self, epoch: int = 0) -> int:
@@ -295,7 +296,8 @@ class DeviceBatches(BatchStream):
     """Batches of an in-memory data set, made by indexing: no copies, no worker processes.
 
     `epochs_ahead`: an epoch that fits in FETCH_MAX_BYTES several times over is fetched together
-    with the epochs after it, and those wait here for their turn. Each epoch's start costs a dozen
+    with the epochs after it, up to `last_epoch` (the last the run reads, set by the trainer), and
+    those wait here for their turn. Each epoch's start costs a dozen
     host calls (the permutation, the draws, the index copy, the fetch), and a small model's step
     is bounded by how fast the host issues them: on digits at batch 512 an epoch is 2 steps, so
     without this that work came every other step and showed in the throughput."""
@@ -308,7 +310,7 @@ class DeviceBatches(BatchStream):
     def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if epoch not in self._ahead:
             self._ahead.clear()  # a jump (a resume, a calibration pass): what waits is stale
-            epochs = range(epoch, epoch + self._epochs_per_fetch())
+            epochs = range(epoch, epoch + self._epochs_per_fetch(epoch))
             if len(epochs) > 1:
                 self._ahead = dict(zip(epochs, self._fetch_epochs(epochs)))
         if epoch in self._ahead:
@@ -330,10 +332,13 @@ class DeviceBatches(BatchStream):
     def _epoch_bytes(self) -> int:  # every epoch's: counted once (each count draws a permutation)
         return self.num_batches() * self.batch_size * self.dataset.sample_bytes()
 
-    def _epochs_per_fetch(self) -> int:
+    def _epochs_per_fetch(self, epoch: int) -> int:
         if not self.epochs_ahead or self._epoch_bytes == 0:
             return 1
-        return max(1, FETCH_MAX_BYTES // self._epoch_bytes)
+        ahead = FETCH_MAX_BYTES // self._epoch_bytes
+        if self.last_epoch is not None:  # (a short run: fetching past its end is wasted work)
+            ahead = min(ahead, self.last_epoch + 1 - epoch)
+        return max(1, ahead)
 
     def _fetch_epochs(self, epochs: range) -> list[list]:
         """The batches of each of `epochs`, from one index copy and one fetch."""

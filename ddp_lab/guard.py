@@ -60,6 +60,7 @@ class Guard:
         self.last_step = total_steps
         self.skipped: list[int] = []
         self.checks = 0
+        self._checked: list[torch.Tensor] | None = None  # the checksums, while nothing changed
         self._pending: list[Verdict] = []
         self._captured: Verdict | None = None  # train.cuda_graph: the captured step's verdict
         self._one: torch.Tensor | None = None  # the check's scale of 1, made on the first step
@@ -122,6 +123,7 @@ class Guard:
         """After the optimizer step. At a sync point (log step, checkpoint, end) read the
         pending verdicts; every `train.consistency_every` steps compare replicas. Returns whether
         it compared (that time is not step time)."""
+        self._checked = None  # the step changed the parameters
         if self._pending and self._pending[-1].step == step and self.scaler.is_enabled():
             self._pending[-1].scale_after = self.scaler._scale.clone()  # noqa: SLF001
         if sync_point:
@@ -168,7 +170,7 @@ class Guard:
 
     def check_replicas(self, step: int) -> None:
         """Collective: a difference between the ranks' parameters stops training."""
-        every = replica_checksums(self.params)
+        every = self._checked = replica_checksums(self.params)
         self.checks += 1
         groups: dict[tuple, list[int]] = {}
         for r, c in enumerate(every):
@@ -189,7 +191,9 @@ class Guard:
         self.resolve()
         every = [None] * self.info.world_size
         dist.all_gather_object(every, self.skipped)  # they must agree
-        digests = [_digest(c) for c in replica_checksums(self.params)]
+        # (the last step's check, if it compared: the same parameters)
+        checksums = self._checked if self._checked is not None else replica_checksums(self.params)
+        digests = [_digest(c) for c in checksums]
         if len(set(digests)) > 1:
             log.error("replicas diverged: parameter digests per rank %s", digests)
         return {"nonfinite_skipped_steps": len(self.skipped),

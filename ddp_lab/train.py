@@ -158,11 +158,13 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
     total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
     check_steps_reachable(cfg, total_steps, f"{tcfg.epochs} epochs of {steps_per_epoch} steps")
+    stop_step = min(total_steps, tcfg.stop_at_step or total_steps)
+    data.train.last_epoch = (stop_step - 1) // steps_per_epoch
     logger = make_logger(run_dir, info.is_main)
     closing.callback(logger.close)
     run = Run(cfg, cfg_dict, run_dir, info, data, model, train_model, sync, optimizer,
               build_scheduler(optimizer, cfg.optim, total_steps), precision, heartbeat, logger,
-              steps_per_epoch, total_steps, min(total_steps, tcfg.stop_at_step or total_steps),
+              steps_per_epoch, total_steps, stop_step,
               tcfg.batch_size * tcfg.accum_steps * info.world_size, memory_format,
               _make_timer(tcfg, device), compiled_before=compiled_before,
               loss_sum=torch.zeros((), device=device),

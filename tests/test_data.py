@@ -254,7 +254,7 @@ def test_epochs_fetched_ahead_equal_epochs_fetched_alone(monkeypatch, data):
     alone.epochs_ahead = False
     epoch_bytes = ahead.num_batches() * 32 * ahead.dataset.sample_bytes()
     monkeypatch.setattr(data_mod, "FETCH_MAX_BYTES", 3 * epoch_bytes + 1)  # 3 epochs a fetch
-    assert ahead.epochs_ahead and ahead._epochs_per_fetch() == 3
+    assert ahead.epochs_ahead and ahead._epochs_per_fetch(0) == 3
 
     def batches(stream, epoch, start_batch=0):
         return [(x.clone(), y.clone(), x._base) for x, y in stream.epoch(epoch, start_batch)]
@@ -270,6 +270,15 @@ def test_epochs_fetched_ahead_equal_epochs_fetched_alone(monkeypatch, data):
     fetch = lambda k: seen[k][0][2].data_ptr()  # the buffer epoch order[k]'s batches are views of
     assert fetch(0) == fetch(1) == fetch(2) != fetch(3)  # epochs 1-3 fetched together, then 4-6
     assert fetch(3) == fetch(4) == fetch(5) and fetch(6) == fetch(7) != fetch(5)
+
+    # A run that ends in epoch 4 (the trainer's last_epoch) fetches nothing past it.
+    ahead.last_epoch = 4
+    assert [ahead._epochs_per_fetch(e) for e in (0, 2, 3, 4)] == [3, 3, 2, 1]
+    last = [batches(ahead, e) for e in (3, 4)]
+    assert last[0][0][2].data_ptr() == last[1][0][2].data_ptr()  # epochs 3 and 4, together
+    assert last[0][0][2].numel() == 2 * last[0][0][0].numel() * ahead.num_batches()
+    for e, got in zip((3, 4), last):
+        assert all(torch.equal(x, xr) for (x, _, _), (xr, _, _) in zip(got, batches(alone, e)))
 
 
 def test_a_rank_with_an_empty_validation_shard_yields_no_batches():
