@@ -95,12 +95,15 @@ class Fit:
     def regime(self, nbytes: float) -> Regime:
         return next((r for r in reversed(self.regimes) if nbytes >= r.lo_bytes), self.regimes[0])
 
-    def time_s(self, nbytes: float, world_size: int) -> float:
+    def time_s(self, nbytes: float, world_size: int, op: str = "all_reduce") -> float:
+        """One collective of `nbytes` on `world_size` ranks. A reduce-scatter or all-gather is
+        priced with the all-reduce's alpha and beta (the same links) and its own rounds and
+        bytes (ddp_lab.comm.cost): for the ring, exactly half of the all-reduce."""
         per_n = dict(self.by_world_size).get(world_size)
         if per_n is not None:
-            return per_n.time_s(nbytes, world_size)
+            return per_n.time_s(nbytes, world_size, op)
         r = self.regime(nbytes)
-        return cost(self.algo, nbytes, world_size).time(r.alpha_s, r.beta_s_per_byte)
+        return cost(self.algo, nbytes, world_size, op).time(r.alpha_s, r.beta_s_per_byte)
 
     @property
     def alpha_s(self) -> float:
@@ -352,6 +355,22 @@ class Network:
             return 2 * (local * (i.alpha_s + s * i.beta_s_per_byte)
                         + (rounds - local) * (e.alpha_s + s * e.beta_s_per_byte))
         raise ValueError(f"unknown algorithm {algo!r}")
+
+    def collective_s(self, op: str, algo: str, nbytes: float, n: int) -> float:
+        """Seconds for one `op` (all_reduce | reduce_scatter | all_gather) of `nbytes` (the whole
+        tensor's). A measured fit prices each op by its own rounds and bytes; on a given network
+        a reduce-scatter or all-gather is half of the ring-family all-reduce (which is one of
+        each), and naive and tree are not modelled there."""
+        if op == "all_reduce":
+            return self.allreduce_s(algo, nbytes, n)
+        if n <= 1 or nbytes == 0:
+            return 0.0
+        if self.fits:
+            fit = self.fits.get(algo) or self.fits.get("ring") or self.fits.get("native")
+            return fit.time_s(nbytes, n, op)
+        if algo not in ("ring", "hring", "native"):
+            raise ValueError(f"{op} on {self.name} is modelled for ring and hring, not {algo!r}")
+        return self.allreduce_s(algo, nbytes, n) / 2
 
 
 # Given interconnects. NVLink: ~370 GB/s bus bandwidth for NCCL's ring on 8 H100/H200-class GPUs
@@ -621,10 +640,23 @@ def exposed_comm_s(buckets: Sequence[Bucket], backward_s: float,
     return s.exposed_s, s.busy_s
 
 
-def bytes_per_step(algo: str, grad_bytes: float, world_size: int) -> float:
+ZERO_OPS = {0: ("all_reduce", None), 1: ("all_reduce", "all_gather"),
+            2: ("reduce_scatter", "all_gather")}  # ZeRO stage -> (gradient op, parameter op)
+
+
+def bytes_per_step(algo: str, grad_bytes: float, world_size: int, zero: int = 0,
+                   param_bytes: float | None = None) -> float:
     """Bytes the busiest rank (rank 0 for naive and tree) sends per step for `grad_bytes` of
-    gradients; linear in the size, so bucketing does not change it (up to chunk rounding)."""
-    return cost("ring" if algo in ("ddp", "native") else algo, grad_bytes, world_size).bytes_per_rank
+    gradients; linear in the size, so bucketing does not change it (up to chunk rounding). ZeRO
+    adds the all-gather of `param_bytes` (default: as many as the gradients) and, at stage 2,
+    reduce-scatters the gradients instead of all-reducing them."""
+    algo = "ring" if algo in ("ddp", "native") else algo
+    reduce, gather = ZERO_OPS[zero]
+    out = cost(algo, grad_bytes, world_size, reduce).bytes_per_rank
+    if gather:
+        out += cost(algo, grad_bytes if param_bytes is None else param_bytes, world_size,
+                    gather).bytes_per_rank
+    return out
 
 
 @dataclass(frozen=True)
@@ -636,6 +668,7 @@ class StepPrediction:
     buckets: int
     slowdown_s: float = 0.0  # backward lost to communication beside it (interference)
     wait_s: float = 0.0  # communication left after backward
+    gather_s: float = 0.0  # ZeRO: the parameters' all-gather after the optimizer (exposed)
 
     def efficiency(self, step1_s: float, scale: float = 1.0) -> float:
         return step1_s / (scale * self.step_s)
@@ -645,14 +678,22 @@ def predict_step(profile: ModelProfile, network: Network, algo: str, world_size:
                  forward_s: float, backward_s: float, other_s: float = 0.0,
                  bucket_mb: float = 25.0, elem_bytes: int = 4, overlap: bool = True,
                  first_bucket_mb: float | None = None,
-                 interference: Interference = NO_INTERFERENCE) -> StepPrediction:
+                 interference: Interference = NO_INTERFERENCE, zero: int = 0) -> StepPrediction:
     """One step on `world_size` ranks: the single-rank phases plus the modelled exposed
-    communication of `algo` on `network`, slowed by `interference` where it overlaps backward."""
+    communication of `algo` on `network`, slowed by `interference` where it overlaps backward.
+    ZeRO stage `zero`: the buckets reduce-scattered at 2, and at 1 and 2 each bucket's
+    parameters (`elem_bytes` per element, as the gradients) all-gathered after the optimizer,
+    exposed (the next forward reads them)."""
     buckets = make_buckets(profile, bucket_mb, elem_bytes, first_bucket_mb)
-    s = schedule(buckets, backward_s, lambda nb: network.allreduce_s(algo, nb, world_size),
-                 overlap, interference)
-    return StepPrediction(forward_s + backward_s + other_s + s.exposed_s, forward_s + backward_s,
-                          s.exposed_s, s.busy_s, len(buckets), s.slowdown_s, s.wait_s)
+    reduce, gather = ZERO_OPS[zero]
+    s = schedule(buckets, backward_s,
+                 lambda nb: network.collective_s(reduce, algo, nb, world_size), overlap,
+                 interference)
+    gather_s = sum(network.collective_s(gather, algo, b.nbytes, world_size)
+                   for b in buckets) if gather else 0.0
+    return StepPrediction(forward_s + backward_s + other_s + s.exposed_s + gather_s,
+                          forward_s + backward_s, s.exposed_s, s.busy_s + gather_s, len(buckets),
+                          s.slowdown_s, s.wait_s, gather_s)
 
 
 # ---- simulation past the hardware ------------------------------------------------------------

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from ddp_lab.config import ConfigError
 from ddp_lab.cost import network as net
-from ddp_lab.scale import outputs, predict, simulate, sweep
+from ddp_lab.scale import outputs, predict, simulate, simulate_zero, sweep
 from ddp_lab.scale.config import register_scale_config
 
 # Training overrides taken off the command line by main() before Hydra parses it (the scale
@@ -145,6 +145,8 @@ def _simulate_mode(cfg) -> str:
         raise ConfigError(f"simulate={cfg.simulate!r} is not one of true, false, only")
     if cfg.emit not in ("none", "torchrun", "slurm"):
         raise ConfigError(f"emit={cfg.emit!r} is not one of none, torchrun, slurm")
+    if mode != "false":
+        simulate_zero.check(cfg.sim)
     return mode
 
 

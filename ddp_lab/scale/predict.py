@@ -14,12 +14,14 @@ fit (ddp_lab/cost/network.py):
                  inside backward), less sync_1 (paid at N=1 too), >= 0
                  + skew_bwd (optim + forward + backward)        (waiting for the slowest rank)
     guard        guard_1 k_guard (1 + skew_guard) + all-reduce of the 2 x N flags (fit, native)
-    optim        optim_1 k_optim
+    optim        optim_1 k_optim; ZeRO (sync.zero >= 1): optim_1 k_optim / N (the update of one
+                 shard) + the all-gather of the parameters after it (the fit, op all_gather)
     other        other_1 k_step                   (what the phase medians leave of the step)
 
 k_phase = that phase with every rank computing / with one rank computing (probe: all / solo), 1
 at N=1; skew = the slowest rank's time / rank 0's - 1 with every rank computing (probe: all).
-The all-reduce of a bucket = the fit at its size and N, plus (our syncs) packing and
+The all-reduce of a bucket (a reduce-scatter at sync.zero=2: the all-reduce's alpha and beta
+over the reduce-scatter's rounds and bytes) = the fit at its size and N, plus (our syncs) packing and
 unpacking it at the probe's measured bytes per second. The bucket layout is the sync's own rule;
 readiness is the probe's (measured on CPU), else the FLOP share. Strong scaling scales the
 batch-sized phases (data, forward, backward, other) by the per-rank batch ratio.
@@ -107,6 +109,10 @@ def _algo(sync: str) -> str:
     return "native" if sync == "ddp" else sync
 
 
+def _zero(point) -> int:
+    return int(point.config.get("sync", {}).get("zero", 0) or 0)
+
+
 def _buckets(row: dict, point, probe: Probe | None) -> list[net.Bucket]:
     """The point's buckets by its sync's rule, ready as the probe measured (else by FLOPs)."""
     scfg, mcfg = point.config.get("sync", {}), point.config.get("model", {})
@@ -136,10 +142,22 @@ def comm_schedule(row: dict, point, fit: net.Fit | None, probe: Probe | None,
     overlap = bool(point.config.get("sync", {}).get("overlap", True)) or point.sync == "ddp"
     inter = probe.interference(algo) if probe is not None else net.NO_INTERFERENCE
     backward = backward_ms * 1e-3
+    reduce = net.ZERO_OPS[_zero(point)][0]
     at_n = net.schedule(buckets, backward,
-                        lambda nb: fit.time_s(nb, n) * concurrency + nb * local, overlap,
+                        lambda nb: fit.time_s(nb, n, reduce) * concurrency + nb * local, overlap,
                         inter) if fit is not None and n > 1 else net.schedule([], backward, None)
     return at_n
+
+
+def gather_ms(row: dict, point, fit: net.Fit | None, probe: Probe | None) -> float:
+    """ZeRO: the all-gather of every bucket's parameters (fp32) after the optimizer, as the fit
+    prices it; 0 without ZeRO or at N=1."""
+    n = point.world_size
+    if not _zero(point) or n < 2 or fit is None:
+        return 0.0
+    elem = net.GRAD_BYTES.get(point.config.get("sync", {}).get("comm_dtype", "fp32"), 4)
+    return sum(fit.time_s(b.nbytes * 4 / elem, n, "all_gather")
+               for b in _buckets(row, point, probe)) * 1e3
 
 
 def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None) -> dict:
@@ -153,13 +171,14 @@ def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None
     backward = base["backward_ms"] * r * k("backward")
     sched = comm_schedule(row, point, fit, probe, backward)
     sync = base["sync_ms"]
+    gather = gather_ms(row, point, fit, probe)
     pred = {
         "data": base["data_ms"] * r * k("forward") + (probe.store_ms if probe and n > 1 else 0.0),
         "forward": base["forward_ms"] * r * k("forward"),
         "backward": backward,
         "sync": sync,
         "guard": base["guard_ms"] * k("guard"),
-        "optim": base["optim_ms"] * k("optim"),
+        "optim": base["optim_ms"] * k("optim") / (n if _zero(point) else 1) + gather,
         "other": base["other_ms"] * r * k("step"),
     }
     # Collectives wait for the slowest rank: the gradient all-reduces for the rank slowest
@@ -174,7 +193,8 @@ def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None
     out = {f"pred_{ph}_ms": pred[ph] for ph in PHASES}
     out.update(pred_step_ms=sum(pred.values()), pred_compute_ms=pred["forward"] + backward,
                pred_slowdown_ms=sched.slowdown_s * 1e3, pred_wait_ms=sched.wait_s * 1e3,
-               pred_straggler_ms=straggler, pred_comm_busy_ms=sched.busy_s * 1e3)
+               pred_straggler_ms=straggler, pred_comm_busy_ms=sched.busy_s * 1e3 + gather,
+               pred_gather_ms=gather)
     return out
 
 
@@ -220,8 +240,8 @@ def empty() -> dict:
     cols = [f"pred_{ph}_ms" for ph in PHASES] + [
         "pred_bytes_per_step", "pred_step_ms", "pred_efficiency", "pred_err_pct",
         "pred_step_err_pct", "pred_compute_ms", "pred_slowdown_ms", "pred_wait_ms",
-        "pred_straggler_ms", "pred_comm_busy_ms", "worst_phase_miss_ms", "contention",
-        "compute_slowdown", "comm_slowdown", "calib_busbw_GBps", "probe_busbw_GBps",
+        "pred_straggler_ms", "pred_comm_busy_ms", "pred_gather_ms", "worst_phase_miss_ms",
+        "contention", "compute_slowdown", "comm_slowdown", "calib_busbw_GBps", "probe_busbw_GBps",
         "probe_loaded_busbw_GBps", "probe_other_cores"]
     return {**dict.fromkeys(cols, NAN), "pred_note": "", "worst_phase": ""}
 
@@ -238,8 +258,9 @@ def predict_rows(rows: list[dict], points: list, fits: dict, probes: dict,
         if p.status != "ok":
             continue
         n = p.world_size
-        row["pred_bytes_per_step"] = (net.bytes_per_step(_algo(p.sync), row["grad_bytes"], n)
-                                      if p.sync != "none" else 0.0)
+        row["pred_bytes_per_step"] = (net.bytes_per_step(
+            _algo(p.sync), row["grad_bytes"], n, _zero(p),
+            4 * p.summary.get("parameters", 0)) if p.sync != "none" else 0.0)
         base = bases.get(p.name)
         fit = fits.get((_algo(p.sync), row["backend"])) or fits.get(("native", row["backend"]))
         if base is None:

@@ -25,6 +25,7 @@ import os
 
 from ddp_lab.bench.common import format_table, write_rows
 from ddp_lab.cost import network as net
+from ddp_lab.scale import simulate_zero
 
 # Published sanity cases, with the per-GPU throughput and batch reconstructed for them.
 # TensorFlow's benchmarks on a DGX-1 (8x P100, 2017): AlexNet 2,987 -> 17,457 img/s at batch 512
@@ -267,6 +268,8 @@ def run(sim, out_dir: str, fits: dict | None = None, measured: dict[str, float] 
               f"{sim.bucket_mb:g} MB): efficiency with both slowdowns at "
               f"{sim.interference_band[1]:g} / as assumed / {sim.interference_band[0]:g}",
               band_table(rows, main, times, sim))
+    simulate_zero.add_section(out, main, _best_algo(main), times, sim, assumed_interference(sim),
+                              out_dir)
     ar = allreduce_rows(main, sim.world_sizes)
     write_rows(ar, out_dir, "simulation_allreduce")
     out.table(f"Fastest all-reduce per message size on {main.name}",
@@ -291,14 +294,17 @@ def interference_note(sim) -> str:
             f"{sim.interference_band[1]:g}.")
 
 
+def assumed_interference(sim) -> net.Interference:
+    return net.Interference(float(sim.interference["compute"]), float(sim.interference["comm"]))
+
+
 def simulate_with_band(sim, times: dict, nets: list, buckets: list, source: dict) -> list[dict]:
     """The simulation with the assumed interference; each row also with the band's ends."""
     run = lambda inter: net.simulate(times, nets, list(sim.world_sizes), list(sim.grad_dtypes),
                                      buckets, batch_per_gpu=sim.batch_per_gpu,
                                      overlap=sim.overlap, compute_source=source,
                                      interference=inter)
-    i = sim.interference
-    rows = run(net.Interference(float(i["compute"]), float(i["comm"])))
+    rows = run(assumed_interference(sim))
     lo, hi = (run(net.Interference(float(x), float(x))) for x in sim.interference_band)
     for r, a, b in zip(rows, lo, hi):
         r["efficiency_lo"], r["efficiency_hi"] = b["efficiency"], a["efficiency"]  # hi: least

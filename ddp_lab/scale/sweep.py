@@ -436,6 +436,7 @@ def point_row(p: Point, b: Point | None) -> dict:
         "baseline": b.name if b else "",
         **{k: v for k, v in ph.items()},
         "comm_bytes_per_step": s.get("comm_bytes_per_step", float("nan")) if s else float("nan"),
+        "gather_ms": _nan(s.get("comm", {}).get("gather_ms")) if s else float("nan"),
         "grad_bytes": gb, "busbw_GBps": busbw, "busbw_source": bw_source if n > 1 else "",
         "rank_skew": (max(ranks) / min(ranks) - 1) if len(ranks) > 1 and min(ranks) > 0 else 0.0,
         "wall_s": p.wall_s, "load_avg": p.load_avg, "other_cores": p.other_cores,
