@@ -83,6 +83,7 @@ def test_a_zero_point_updates_one_shard_then_gathers():
     assert p0["pred_optim_ms"] == 24.0 and p0["pred_gather_ms"] == 0.0
     assert p2["pred_optim_ms"] == pytest.approx(24.0 / 2 + gather)
     assert p2["pred_gather_ms"] == pytest.approx(gather)
+    assert p2["pred_guard_ms"] - p0["pred_guard_ms"] == pytest.approx(-2.0 / 2)  # one shard
     assert p2["pred_exposed_comm_ms"] < p0["pred_exposed_comm_ms"]  # half the bytes in backward
     assert predict.gather_ms(row, _point(2, n=1), fits[("ring", "gloo")], None) == 0.0
 

@@ -13,9 +13,10 @@ fit (ddp_lab/cost/network.py):
                  .exposed (ddp_lab.cost.network.schedule) + DDP: sync_1 k_bwd (its bucket copies
                  inside backward), less sync_1 (paid at N=1 too), >= 0
                  + skew_bwd (optim + forward + backward)        (waiting for the slowest rank)
-    guard        guard_1 k_guard (1 + skew_guard) + all-reduce of the 2 x N flags (fit, native)
-    optim        optim_1 k_optim; ZeRO (sync.zero >= 1): optim_1 k_optim / N (the update of one
-                 shard) + the all-gather of the parameters after it (the fit, op all_gather)
+    guard        guard_1 k_guard (1 + skew_guard) + all-reduce of the 2 x N flags (fit, native);
+                 ZeRO (sync.zero >= 1): guard_1 / N (the check reads one shard's gradients)
+    optim        optim_1 k_optim; ZeRO: optim_1 k_optim / N (the update of one shard) + the
+                 all-gather of the parameters after it (the fit, op all_gather)
     other        other_1 k_step                   (what the phase medians leave of the step)
 
 k_phase = that phase with every rank computing / with one rank computing (probe: all / solo), 1
@@ -172,13 +173,14 @@ def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None
     sched = comm_schedule(row, point, fit, probe, backward)
     sync = base["sync_ms"]
     gather = gather_ms(row, point, fit, probe)
+    shards = n if _zero(point) else 1  # ZeRO: the check and the update read one shard
     pred = {
         "data": base["data_ms"] * r * k("forward") + (probe.store_ms if probe and n > 1 else 0.0),
         "forward": base["forward_ms"] * r * k("forward"),
         "backward": backward,
         "sync": sync,
-        "guard": base["guard_ms"] * k("guard"),
-        "optim": base["optim_ms"] * k("optim") / (n if _zero(point) else 1) + gather,
+        "guard": base["guard_ms"] * k("guard") / shards,
+        "optim": base["optim_ms"] * k("optim") / shards + gather,
         "other": base["other_ms"] * r * k("step"),
     }
     # Collectives wait for the slowest rank: the gradient all-reduces for the rank slowest
