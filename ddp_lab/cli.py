@@ -9,6 +9,7 @@ prints a traceback: the message names the key or the rank and says what to do.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -57,6 +58,9 @@ def run_hydra_app(task, config_name: str) -> None:
 
     register_configs()
     register_resolvers()
+    # A crash inside a C++ library (a segfault in a collective, say) then prints every Python
+    # thread's stack to stderr: where the training and communication threads were.
+    faulthandler.enable()
 
     @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base=None)
     def entry(cfg):

@@ -141,7 +141,8 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere (rank 0's are broadcast)
     data = build_data(cfg, info.rank, info.world_size, device)
     memory_format = torch.channels_last if tcfg.channels_last else torch.contiguous_format
-    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout, cfg.model.stem)
+    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout, cfg.model.stem,
+                        cfg.model.fc_width)
     model = model.to(device, memory_format=memory_format)
     torch.manual_seed(cfg.seed + 1 + info.rank)  # then a stream per rank: dropout masks differ
     precision = setup_precision(cfg.precision, device, tcfg.cudnn_benchmark)

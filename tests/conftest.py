@@ -34,10 +34,10 @@ def small_references(tmp_path_factory):
     """The two named references of test_train.py and test_sync_train.py, made once per session
     (side by side) instead of once per module: one process on the whole batch (sync=none, batch
     32) and torch DDP on 2 ranks x 16 (sync=ddp), both helpers.SMALL. Name -> run dir."""
-    from helpers import SMALL, check, run_together, torchrun
+    from helpers import SMALL, SMALL_BUCKETS, check, run_together, torchrun
 
     runs = {"single": (["sync=none", "train.batch_size=32"], 1),
-            "ddp": (["sync=ddp", "train.batch_size=16"], 2)}
+            "ddp": (["sync=ddp", "train.batch_size=16", *SMALL_BUCKETS], 2)}
     dirs = {name: tmp_path_factory.mktemp(f"small_{name}") for name in runs}
     done = run_together({
         name: partial(torchrun, SMALL + overrides + [f"hydra.run.dir={dirs[name]}"],

@@ -16,8 +16,8 @@ from helpers import FAST, REPO, check, launch_together, python_module, torchrun
 # at step 4 (or 2) is mid-epoch. Random images (see test_train.py on why not digits). Dropout on:
 # resuming must restore every rank's RNG to reproduce the masks.
 TINY = [a for a in FAST if not a.startswith("model.dropout")] + [
-    "data=synthetic", "data.num_samples=48", "data.val_samples=16", "model.default_classes=10",
-    "train.epochs=2", "train.batch_size=8", "optim.warmup_steps=0", "train.log_every=1"]
+    "model.fc_width=512", "data=synthetic", "data.num_samples=48", "data.val_samples=16",
+    "model.default_classes=10", "train.epochs=2", "train.batch_size=8", "optim.warmup_steps=0", "train.log_every=1"]
 RESUME = TINY + ["model.dropout=0.5"]
 NO_DROPOUT = TINY + ["model.dropout=0"]
 

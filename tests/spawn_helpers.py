@@ -7,6 +7,7 @@ test machine); this module imports only what a child needs."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -78,6 +79,7 @@ def _spawn_entry(fn, rank, world_size, port, pg_timeout_s, final_barrier, backen
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    faulthandler.enable()  # a crash in C++ (gloo, say) prints each thread's stack to stderr
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     try:

@@ -38,6 +38,7 @@ REFUSED = [  # (overrides, what the message says)
     (["data.image_size=64"], "data.image_size=64: model=alexnet_cifar takes inputs of 31..46"),
     (["model=alexnet", "model.image_size=32"], "model=alexnet takes inputs of at least 63 px"),
     (["model=alexnet", "data.image_size=0"], "data.image_size=0 must be > 0"),
+    (["model.fc_width=0"], "model.fc_width=0 must be > 0"),
     # a one-class classifier: accuracy 1.0 from the first step
     (["data=synthetic", "model.default_classes=1"], "model.default_classes=1: a classifier needs"),
     (["data=synthetic", "data.num_classes=1"], "data.num_classes=1: a classifier needs"),
@@ -103,7 +104,8 @@ def test_refused_before_anything_runs(overrides, needle):
 
 ACCEPTED = [  # every group option with the others' defaults, and the combinations that are fine
     ["model=alexnet"], ["model=alexnet", "model.image_size=128"], ["model.image_size=40"],
-    ["model.stem=space_to_depth"], ["data=synthetic"], ["data=cifar10"],
+    ["model.stem=space_to_depth"], ["model.fc_width=64"], ["model=alexnet", "model.fc_width=64"],
+    ["data=synthetic"], ["data=cifar10"],
     ["data=imagefolder", "data.root=/x"],
     ["data=imagefolder", "data.root=/x", "data.on_device=false"],
     ["data.augment=true"], ["data.download=true"], ["data.root=/x"], ["data.num_workers=0"],

@@ -27,6 +27,22 @@ def test_num_classes_and_dropout_follow_arguments():
     assert all(d.p == 0.0 for d in m.modules() if isinstance(d, torch.nn.Dropout))
 
 
+@pytest.mark.parametrize("name,size,convs", [("alexnet", 224, 2_469_696),
+                                             ("alexnet_cifar", 32, 2_251_584)])
+def test_fc_width_sets_the_two_hidden_layers(name, size, convs):
+    """The convolutions keep their parameters; the classifier's are in_features x w + w x w +
+    w x classes, plus biases."""
+    m = build_model(name, num_classes=10, dropout=0.5, fc_width=64)
+    hidden = [l for l in m.classifier if isinstance(l, torch.nn.Linear)]
+    assert [(l.in_features, l.out_features) for l in hidden][1:] == [(64, 64), (64, 10)]
+    assert n_params(m.features) == convs
+    first = hidden[0].in_features
+    assert n_params(m) == convs + first * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
+    assert m(torch.randn(2, 3, size, size)).shape == (2, 10)
+    assert n_params(build_model(name, 10, 0.5)) == n_params(build_model(name, 10, 0.5,
+                                                                        fc_width=4096))
+
+
 @pytest.mark.parametrize("kernel,stride,padding,size", [
     (11, 4, 2, 224),  # torchvision AlexNet's first layer
     (3, 2, 1, 32),    # AlexNet-CIFAR's first layer

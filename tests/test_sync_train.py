@@ -13,7 +13,7 @@ from functools import cache, partial
 
 import pytest
 
-from helpers import SMALL, check, final_params, max_abs_diff, run_together, summary, torchrun
+from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff, run_together, summary, torchrun
 
 TOLERANCE = 1e-6
 # Compiled against eager: Inductor's CPU kernels round differently from ATen's (vectorised exp and
@@ -38,7 +38,8 @@ RUNS = {  # id: overrides
 def _launch(run_dir, overrides, nproc=2):
     accum = 2 if "train.accum_steps=2" in overrides else 1
     batch = 32 // nproc // accum
-    check(torchrun(SMALL + overrides + [f"train.batch_size={batch}", f"hydra.run.dir={run_dir}"],
+    check(torchrun(SMALL + SMALL_BUCKETS + overrides + [f"train.batch_size={batch}",
+                                                       f"hydra.run.dir={run_dir}"],
                    nproc=nproc, timeout=200))
     return run_dir
 
@@ -90,4 +91,4 @@ def _initial():
 
     from ddp_lab.models import build_model
     torch.manual_seed(0)
-    return build_model("alexnet_cifar", 10, 0.0).state_dict()
+    return build_model("alexnet_cifar", 10, 0.0, fc_width=512).state_dict()

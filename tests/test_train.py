@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from helpers import (SMALL, check, final_params, free_port, max_abs_diff, run_cmd, run_together,
+from helpers import (SMALL, SMALL_BUCKETS, check, final_params, free_port, max_abs_diff, run_cmd, run_together,
                      summary, torchrun)
 
 TOLERANCE = 1e-6
@@ -39,7 +39,7 @@ def test_ddp_two_ranks_equal_single_process_on_the_whole_batch(single_process_re
 def _initial_params():
     from ddp_lab.models import build_model
     torch.manual_seed(0)
-    return build_model("alexnet_cifar", 10, 0.0).state_dict()
+    return build_model("alexnet_cifar", 10, 0.0, fc_width=512).state_dict()
 
 
 def test_outputs_of_a_run(single_process_reference):
@@ -73,7 +73,7 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_referen
     """Two torchrun agents (--nnodes=2, one process each) meeting at a c10d endpoint on localhost."""
     port = free_port()
     run_dir = tmp_path / "two_nodes"
-    args = SMALL + ["sync=ddp", "train.batch_size=16", f"hydra.run.dir={run_dir}"]
+    args = SMALL + SMALL_BUCKETS + ["sync=ddp", "train.batch_size=16", f"hydra.run.dir={run_dir}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ddp_lab_test",
            "-m", "ddp_lab.train", *args]

@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 
-from helpers import SMALL, check, final_params, max_abs_diff, run_together, summary, torchrun
+from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff, run_together, summary, torchrun
 from reliab_helpers import RESUME, assert_same_training_state, launch, train_log
 
 TOLERANCE = 1e-6
@@ -36,7 +36,7 @@ STOP = ["train.stop_at_step=4", "train.checkpoint_every=2"]
 def _launch(run_dir, overrides):
     batch = [] if any(o.startswith("train.batch_size=") for o in overrides) else [
         "train.batch_size=16"]
-    check(torchrun(SMALL + batch + overrides + [f"hydra.run.dir={run_dir}"], nproc=2,
+    check(torchrun(SMALL + SMALL_BUCKETS + batch + overrides + [f"hydra.run.dir={run_dir}"], nproc=2,
                    timeout=240))
     return run_dir
 
@@ -111,7 +111,7 @@ def test_memory_counted_against_predicted(run, launched, small_references):
         assert abs(m["optimizer_state_bytes"][rank] - whole / n) <= 4 * buckets
         assert abs(m["grads_bytes"][rank] - p["grads_bytes"]) <= 4 * buckets
         assert m["comm_buffer_bytes"][rank] == p["comm_buffer_bytes"]
-    assert p["comm_buffer_bytes"] == (p["params_bytes"] if zero == 1 else 4 * 4096 * 4096)
+    assert p["comm_buffer_bytes"] == (p["params_bytes"] if zero == 1 else 4 * 256 * 384 * 3 * 3)
 
 
 @pytest.mark.timeout(600)

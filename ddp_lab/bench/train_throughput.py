@@ -147,7 +147,7 @@ def make_bare_step(cfg, device: torch.device, compile_: bool):
     fmt = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     classes, size, batch = cfg.model.default_classes, cfg.model.image_size, cfg.train.batch_size
     model = build_model(cfg.model.name, classes, cfg.model.dropout,
-                        cfg.model.stem).to(device, memory_format=fmt)
+                        cfg.model.stem, cfg.model.fc_width).to(device, memory_format=fmt)
     o = cfg.optim
     opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
                           weight_decay=o.weight_decay,

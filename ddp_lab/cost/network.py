@@ -444,7 +444,7 @@ _PROFILES: dict[tuple, ModelProfile] = {}
 
 
 def profile_model(name: str, image_size: int | None = None,
-                  num_classes: int | None = None) -> ModelProfile:
+                  num_classes: int | None = None, fc_width: int = 4096) -> ModelProfile:
     """Parameters and forward FLOPs of every layer, from one forward pass on the meta device (no
     memory, no compute). Knows the lab's models and torchvision's resnet50/resnet101/vgg16."""
     import torch
@@ -452,13 +452,13 @@ def profile_model(name: str, image_size: int | None = None,
 
     size, classes = MODEL_DEFAULTS.get(name, (image_size, num_classes))
     size, classes = image_size or size, num_classes or classes
-    key = (name, size, classes)
+    key = (name, size, classes, fc_width)
     if key in _PROFILES:
         return _PROFILES[key]
     with torch.device("meta"):
         if name in ("alexnet", "alexnet_cifar"):
             from ddp_lab.models import build_model
-            model = build_model(name, classes, 0.0)
+            model = build_model(name, classes, 0.0, fc_width=fc_width)
         elif name in ("resnet50", "resnet101", "vgg16"):
             import torchvision
             model = getattr(torchvision.models, name)(weights=None, num_classes=classes)

@@ -1,5 +1,5 @@
-"""Model registry: `model.name` -> constructor(num_classes, dropout); `model.stem` picks how the
-first convolution is computed (ddp_lab/models/stem.py)."""
+"""Model registry: `model.name` -> constructor(num_classes, dropout, fc_width); `model.stem`
+picks how the first convolution is computed (ddp_lab/models/stem.py)."""
 
 from ddp_lab.models.alexnet import AlexNet, AlexNetCifar
 from ddp_lab.models.stem import SpaceToDepthConv2d, space_to_depth_stem
@@ -13,8 +13,9 @@ STEMS = ("standard", "space_to_depth")
 IMAGE_SIZES = {"alexnet": (63, None), "alexnet_cifar": (31, 46)}
 
 
-def build_model(name: str, num_classes: int, dropout: float, stem: str = "standard"):
-    model = MODELS[name](num_classes=num_classes, dropout=dropout)
+def build_model(name: str, num_classes: int, dropout: float, stem: str = "standard",
+                fc_width: int = 4096):
+    model = MODELS[name](num_classes=num_classes, dropout=dropout, fc_width=fc_width)
     return space_to_depth_stem(model) if stem == "space_to_depth" else model
 
 

@@ -91,7 +91,8 @@ def build_bench(cfg, info) -> Bench:
     torch.manual_seed(cfg.seed)
     data = build_data(cfg, info.rank, info.world_size, info.device)
     fmt = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
-    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout, cfg.model.stem)
+    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout, cfg.model.stem,
+                        cfg.model.fc_width)
     model = model.to(info.device, memory_format=fmt)
     x, y = next(data.train.epoch(0))
     precision = setup_precision(cfg.precision, info.device, cfg.train.cudnn_benchmark)

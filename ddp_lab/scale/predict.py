@@ -121,7 +121,8 @@ def _buckets(row: dict, point, probe: Probe | None) -> list[net.Bucket]:
     grads = probe.grads() if probe is not None else None
     if grads is None:
         profile = net.profile_model(mcfg.get("name", row["model"]), mcfg.get("image_size"),
-                                    point.config.get("data", {}).get("num_classes"))
+                                    point.config.get("data", {}).get("num_classes"),
+                                    mcfg.get("fc_width", 4096))
         grads = profile.gradients_in_backward_order()
     ddp = point.sync == "ddp"
     return net.buckets_of(grads, elem, float(scfg.get("bucket_mb", 25.0)),
