@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 
 from ddp_lab.bench.common import write_rows
-from ddp_lab.cost import memory as mem
 from ddp_lab.config import ConfigError
+from ddp_lab.cost import memory as mem
 from ddp_lab.cost import network as net
 
 BF16 = 2  # bytes of a 16-bit gradient or weight
