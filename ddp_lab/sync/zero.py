@@ -19,8 +19,8 @@ the step
             (N-1)/N of the bucket instead of 2(N-1)/N. The rest of the bucket is scratch, so all
             buckets pack into one buffer of the largest one's size, one bucket at a time.
     Then this rank's shard of the sum, divided by N, becomes the shard's .grad (a tensor of 1/N
-    of the bucket, kept across steps), and the model's .grad of the bucket's parameters is
-    released: nothing reads it again. After `optimizer.step()` (a hook the optimizer runs after
+    of the bucket, kept across steps); finish() then releases the model's .grad of every
+    parameter (on the training thread): nothing reads them again. After `optimizer.step()` (a hook the optimizer runs after
     every step) each bucket's parameters are all-gathered, at the end of the step, on the
     training thread: the next forward reads every parameter.
 numerics
@@ -108,10 +108,14 @@ class ShardedSync(BucketedSync):
             else:
                 self.grads[b].copy_(mine)  # (low dtype: divided before the cast already)
             self.shards[b].grad = self.grads[b]
-            for p in bucket.params:  # packed: the optimizer reads the shard's gradient
-                if self.cuda:  # freed on this stream's side: not reused before the pack ran
-                    p.grad.record_stream(torch.cuda.current_stream())
-                p.grad = None
+
+    def finish(self) -> None:
+        super().finish()
+        # The packed gradients are released here, on the training thread once every bucket is
+        # reduced, not by the communication thread: a .grad reassigned there raced autograd's
+        # own use of the field during backward (glibc: "corrupted double-linked list").
+        for p in self.params:  # the optimizer reads the shards' gradients
+            p.grad = None
 
     def gather_params(self) -> None:
         """Every rank's updated shards into every bucket's parameters (after optimizer.step).
