@@ -12,8 +12,8 @@ from helpers import CONF_DIR, check, launch_together, python_module
 
 from ddp_lab.scale.predict import PHASES
 
-TINY = ["data.num_samples=512", "model.default_classes=10", "train.batch_size=8",
-        "train.max_steps=6", "train.timing_warmup=2", "model.dropout=0",
+TINY = ["model.fc_width=512", "data.num_samples=512", "model.default_classes=10",
+        "train.batch_size=8", "train.max_steps=6", "train.timing_warmup=2", "model.dropout=0",
         "repeats=1"]  # (the sweep's own: one pass, even on a busy machine)
 # DDP and one of our syncs, end to end (each point is a torchrun job, ~25 s on a 2-core VM). The
 # bytes naive and tree send are checked exactly below this level: tests/test_comm.py (per
