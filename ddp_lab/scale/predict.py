@@ -22,8 +22,8 @@ fit (ddp_lab/cost/network.py):
 k_phase = that phase with every rank computing / with one rank computing (probe: all / solo), 1
 at N=1; skew = the slowest rank's time / rank 0's - 1 with every rank computing (probe: all).
 The all-reduce of a bucket (a reduce-scatter at sync.zero=2: the all-reduce's alpha and beta
-over the reduce-scatter's rounds and bytes) = the fit at its size and N, plus (our syncs) packing and
-unpacking it at the probe's measured bytes per second. The bucket layout is the sync's own rule;
+over the reduce-scatter's rounds and bytes) = the fit at its size and N, plus (our syncs)
+packing and unpacking it at the probe's measured bytes per second. The bucket layout is the sync's own rule;
 readiness is the probe's (measured on CPU), else the FLOP share. Strong scaling scales the
 batch-sized phases (data, forward, backward, other) by the per-rank batch ratio.
 

@@ -189,7 +189,7 @@ class BucketedSync(GradSync):
         if not self.buckets:
             return
         for p in self.params:  # no gradient this step (unused parameter): it contributes zeros
-            if p.grad is None and id(p) not in self._ready_params:  # (ZeRO drops sent ones)
+            if p.grad is None and id(p) not in self._ready_params:
                 p.grad = torch.zeros_like(p)  # on the training stream, see the module docstring
         if not self.overlap and self._tracing():  # (no hooks: every bucket is ready now)
             now = self.tracer.stamp()

@@ -20,9 +20,9 @@ the step
             buckets pack into one buffer of the largest one's size, one bucket at a time.
     Then this rank's shard of the sum, divided by N, becomes the shard's .grad (a tensor of 1/N
     of the bucket, kept across steps); finish() then releases the model's .grad of every
-    parameter (on the training thread): nothing reads them again. After `optimizer.step()` (a hook the optimizer runs after
-    every step) each bucket's parameters are all-gathered, at the end of the step, on the
-    training thread: the next forward reads every parameter.
+    parameter (on the training thread): nothing reads them again. After `optimizer.step()` (a
+    hook the optimizer runs after every step) each bucket's parameters are all-gathered, at the
+    end of the step, on the training thread: the next forward reads every parameter.
 numerics
     The buckets are those of zero=0, summed in the same order (zero=1: the same all-reduce;
     zero=2: naive and tree reduce as their all-reduce does; the ring does from N = 3 on in another
