@@ -23,7 +23,7 @@ def _seed_table(run_dir):
 def _measured(run_dir):
     return memory_fit(["models=[resnet50]", "measure=true", "device=cpu",
                        "measure_model=alexnet_cifar", "measure_batch=4", "measure_steps=1",
-                       "measure_precisions=[fp32]"], run_dir, timeout=180)
+                       "measure_precisions=[fp32]", "measure_zero=[0,2]"], run_dir, timeout=180)
 
 
 @launch_together("memory_fit_unknown", cost=5)
@@ -75,6 +75,16 @@ def test_torchvision_model_and_predicted_memory_on_cpu(together):
     m = load(run_dir / "memory_measured.jsonl")[0]
     assert m["pred_weights_gb"] == pytest.approx(23_272_266 * 4 / 1e9, rel=1e-3)
     assert m["measured_peak_gb"] != m["measured_peak_gb"]  # nan: no CUDA allocator here
+    zero = {r["stage"]: r for r in load(run_dir / "zero_measured.jsonl")}
+    assert sorted(zero) == [0, 2]
+    held = ("params_gb", "grads_gb", "optimizer_state_gb", "comm_buffer_gb")
+    for r in zero.values():  # at world size 1 the count is exactly the design's
+        assert sum(r[k] for k in held) == pytest.approx(r["pred_held_gb"], rel=1e-6)
+        assert r["optimizer_state_gb"] == pytest.approx(2 * r["params_gb"])  # AdamW
+    # zero=2 keeps one bucket of scratch, not all of them; the model's .grad is extra at peak
+    assert zero[2]["comm_buffer_gb"] < zero[0]["comm_buffer_gb"] == zero[0]["params_gb"]
+    assert zero[2]["pred_peak_gb"] - zero[2]["pred_held_gb"] > zero[0]["pred_peak_gb"] - zero[0][
+        "pred_held_gb"]
 
 
 def test_unknown_model_is_one_clear_line(together):

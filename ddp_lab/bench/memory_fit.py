@@ -9,6 +9,7 @@ table for GPT-3 175B and LLaMA-2 70B, reproduced and corrected. Pure arithmetic 
     python -m ddp_lab.bench.memory_fit models=[] params=[1e9]           # a raw parameter count
     python -m ddp_lab.bench.memory_fit measure=true                     # predicted vs measured
     python -m ddp_lab.bench.memory_fit models=[llama2_70b] gpu_gb=80 zero_stages=[1,2,3]
+    python -m ddp_lab.bench.memory_fit measure_zero=[0,1,2] measure_precisions=[bf16]  # on a GPU
 
 Schemes (bytes per parameter, Adam; see ddp_lab.cost.memory):
   fp32_train   4 weights + 4 grads + 8 Adam                         = 16
@@ -70,6 +71,9 @@ class MemoryFitConfig:
     measure_precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     measure_channels_last: bool = True
     measure_steps: int = 5
+    # ZeRO stages to train with ddp_lab's own loop (sync=ring, AdamW) at world size 1: predicted
+    # vs measured peak, and the bytes held, counted from storages
+    measure_zero: list[int] = field(default_factory=list)
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # [] leaves the table out
     zero_gpus: list[int] = field(default_factory=lambda: [8, 64, 1024])  # N for the per-GPU GB
     zero_scheme: str = "mixed"  # fp32 | mixed | torch_amp | bf16 (ddp_lab.cost.memory.SCHEMES)
@@ -189,10 +193,60 @@ def measure_rows(cfg) -> list[dict]:
     return rows
 
 
+def measure_zero_rows(cfg, run_dir: str) -> list[dict]:
+    """Each stage of cfg.measure_zero trained by ddp_lab's loop (sync=ring, AdamW) at world size
+    1: the bytes its rank held (counted from storages, summary.json's memory block) and its peak,
+    predicted and measured. At N=1 a shard is the whole, so the stages differ only by what each
+    keeps besides the shards: the buckets, and (zero>=1) the shards' gradients beside the
+    model's, which finish() releases only after backward."""
+    from ddp_lab.bench.train_throughput import (compose_train_config, ddp_loop, free_memory,
+                                                 row_overrides)
+
+    _check_zero_stages(cfg.measure_zero, "measure_zero", (0, 1, 2))
+    device = resolve_device(cfg.device)
+    rows = []
+    for precision in cfg.measure_precisions:
+        for stage in cfg.measure_zero:
+            overrides = [o for o in row_overrides(
+                cfg.measure_model, precision, cfg.measure_channels_last, False, cfg.measure_batch,
+                cfg.measure_steps, 2, device, 0) if o != "sync=none"]
+            tcfg = compose_train_config(overrides + ["sync=ring", f"sync.zero={stage}",
+                                                     "optim=adamw"])
+            free_memory(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            summary = ddp_loop(tcfg, os.path.join(run_dir, f"zero{stage}_{precision}"))["summary"]
+            rows.append(_zero_row(cfg, stage, precision, summary))
+    return rows
+
+
+def _zero_row(cfg, stage: int, precision: str, summary: dict) -> dict:
+    from ddp_lab.models import MODELS
+
+    held = summary["memory"]
+    counted = {k: v[0] for k, v in held.items() if k in mem.MEMORY_KEYS}
+    predicted = held["predicted"]
+    size, classes = (224, 1000) if cfg.measure_model == "alexnet" else (32, 10)
+    step = mem.predict_training_memory(MODELS[cfg.measure_model](num_classes=classes),
+                                       cfg.measure_batch, size, precision, "adamw",
+                                       cfg.measure_channels_last)
+    model_grads = predicted["params_bytes"] if stage >= 1 else 0.0  # the .grad beside the shards
+    pred_peak = (sum(predicted.values()) + model_grads + step["autocast_copies"] + step["input"]
+                 + step["activations"])
+    measured = summary.get("max_memory_allocated_GiB", float("nan")) * 2**30
+    return {"model": cfg.measure_model, "batch": cfg.measure_batch, "precision": precision,
+            "stage": stage, **{f"{k[:-6]}_gb": v / GB for k, v in counted.items()},
+            "pred_held_gb": sum(predicted.values()) / GB, "pred_peak_gb": pred_peak / GB,
+            "measured_peak_gb": measured / GB, "measured_over_pred": measured / pred_peak}
+
+
+def _check_zero_stages(stages, key: str, allowed) -> None:
+    if any(s not in allowed for s in stages):
+        raise ConfigError(f"{key}={list(stages)}: stages are {', '.join(map(str, allowed))}")
+
+
 def _check_zero(cfg) -> None:
-    bad = [s for s in cfg.zero_stages if s not in mem.ZERO_STAGES]
-    if bad:
-        raise ConfigError(f"zero_stages={list(cfg.zero_stages)}: stages are 0, 1, 2 and 3")
+    _check_zero_stages(cfg.zero_stages, "zero_stages", mem.ZERO_STAGES)
     if cfg.zero_scheme not in mem.SCHEMES:
         raise ConfigError(f"zero_scheme={cfg.zero_scheme!r} is not one of {', '.join(mem.SCHEMES)}")
     if not cfg.zero_gpus or min(cfg.zero_gpus) < 1:
@@ -246,6 +300,17 @@ def run(cfg, run_dir: str) -> list[dict]:
                notes=["measured = torch.cuda.max_memory_allocated over the timed steps (nan on "
                       "the CPU); the difference is cuDNN/cuBLAS workspaces, gradient temporaries "
                       "and the allocator's rounding"])
+    if cfg.measure_zero:
+        report(measure_zero_rows(cfg, run_dir), run_dir, "zero_measured",
+               ["precision", "stage", "params_gb", "grads_gb", "optimizer_state_gb",
+                "comm_buffer_gb", "pred_held_gb", "pred_peak_gb", "measured_peak_gb",
+                "measured_over_pred"],
+               title=f"ZeRO at world size 1: {cfg.measure_model} batch {cfg.measure_batch}, "
+                     "sync=ring, AdamW; held (counted) and peak (predicted vs measured), GB",
+               notes=["held: counted from tensor storages at the first optimizer step; "
+                      "pred_peak = the held bytes predicted + the model's .grad at zero>=1 + "
+                      "activations, input and autocast copies (ddp_lab.cost.memory)",
+                      "measured = torch.cuda.max_memory_allocated over the run (nan on the CPU)"])
     if cfg.plot:
         series = series_of(rows, "scheme", "params_b", "total_gb")
         plot_lines(series, os.path.join(run_dir, "memory_fit.png"), xlabel="parameters (B)",

@@ -219,10 +219,10 @@ def ddp_loop(cfg, run_dir: str, keep_checkpoints: bool = False) -> dict:
     step_ms = summary["time_ms"].get("step", float("nan"))
     return {"img_s": summary["train_img_per_s"],
             "img_s_med": summary["global_batch"] / (step_ms / 1e3) if step_ms else float("nan"),
-            "step_ms_med": step_ms, "timed_steps": summary["timed_steps"]}
+            "step_ms_med": step_ms, "timed_steps": summary["timed_steps"], "summary": summary}
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -377,7 +377,7 @@ def run_pair(cfg, b: Bench, tcfg, name: str, run_dir: str) -> tuple[list[dict], 
     for rep in range(cfg.repeats):
         order = ("bare", "ddp") if rep % 2 == 0 else ("ddp", "bare")
         for side in order:
-            _free(b.device)
+            free_memory(b.device)
             if side == "bare":
                 bares.append(bare_loop(tcfg, b.device, b.steps, b.warmup))
             else:
@@ -485,7 +485,7 @@ def run_profiles(cfg, b: Bench, run_dir: str) -> list[dict]:
         tcfg = compose_train_config(row_overrides(b.model, precision, cfg.channels_last[0], False,
                                                   b.batches[0], b.steps, b.warmup, b.device,
                                                   cfg.seed, cfg.ddp_overrides))
-        _free(b.device)
+        free_memory(b.device)
         try:
             top, summ = profile_pass(tcfg, b.device, cfg.profile_steps, cfg.top_k)
         except Exception as e:  # a profiler that fails here must not cost the other results
