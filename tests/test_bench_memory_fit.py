@@ -19,7 +19,7 @@ def _seed_table(run_dir):
     return memory_fit(["params=[1e9]", "plot=true"], run_dir, timeout=120)
 
 
-@launch_together("memory_fit_measured", cost=9)
+@launch_together("memory_fit_measured", cost=20)
 def _measured(run_dir):
     return memory_fit(["models=[resnet50]", "measure=true", "device=cpu",
                        "measure_model=alexnet_cifar", "measure_batch=4", "measure_steps=1",
