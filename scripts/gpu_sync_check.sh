@@ -2,7 +2,8 @@
 # One-GPU checks of our syncs' CUDA path, ZeRO's memory and the scaling sweep's single-GPU point:
 #   1. tests/test_sync_cuda.py (side stream + events, races provoked on purpose)
 #   2. sync=ring / tree / naive and ring at sync.zero=1|2 (overlap on) vs sync=none at world
-#      size 1 over NCCL, AdamW: the same parameters after 20 steps
+#      size 1 over NCCL: the same parameters after 20 steps, up to the GPU's run-to-run noise
+#      (cuDNN's backward is not deterministic): sync=none is run twice to show that floor
 #   3. python -m ddp_lab.bench.memory_fit measure_zero=[0,1,2]: 224 px AlexNet with AdamW, the
 #      bytes held per stage (counted) and the peak, predicted vs torch.cuda.max_memory_allocated
 #   4. SCALE=1 only: python -m ddp_lab.scale (N=1 on NCCL for every sync) + the simulation
@@ -12,25 +13,24 @@ OUT_DIR=${1:-${OUT:-outputs/gpu_sync_check}}
 mkdir -p "$OUT_DIR"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 python3 -m pytest -q -p no:cacheprovider tests/test_sync_cuda.py 2>&1 | tail -5
-common="data=synthetic data.num_samples=4096 model.default_classes=10 model.dropout=0 optim=adamw train.max_steps=20 train.progress=false train.resume=never train.eval_every_epochs=0 train.cudnn_benchmark=false"
-variants=(none ring tree naive "ring sync.zero=1" "ring sync.zero=2")
-for v in "${variants[@]}"; do
-  name=$(echo "$v" | tr " =" "__")
+common="data=synthetic data.num_samples=4096 model.default_classes=10 model.dropout=0 train.max_steps=20 train.progress=false train.resume=never train.eval_every_epochs=0 train.cudnn_benchmark=false"
+variants=(none none ring tree naive "ring sync.zero=1" "ring sync.zero=2")
+for i in "${!variants[@]}"; do
+  v=${variants[$i]}
+  name=$i-$(echo "$v" | tr " =" "__")
   python3 -m ddp_lab.train $common sync=$v hydra.run.dir="$OUT_DIR/ws1/$name" > "$OUT_DIR/ws1_$name.log" 2>&1 || { echo "FAILED sync=$v"; tail -15 "$OUT_DIR/ws1_$name.log"; }
 done
 python3 - "$OUT_DIR/ws1" <<'PY'
 import os, sys, torch
 root = sys.argv[1]
-ref = torch.load(f"{root}/none/checkpoint.pt", weights_only=True)["model"]
-for name in sorted(os.listdir(root)):
-    if name == "none":
-        continue
+ref = torch.load(f"{root}/0-none/checkpoint.pt", weights_only=True)["model"]
+for name in sorted(os.listdir(root))[1:]:
     try:
         got = torch.load(f"{root}/{name}/checkpoint.pt", weights_only=True)["model"]
     except FileNotFoundError:
         print(f"sync={name}: no checkpoint"); continue
     d = max((ref[k].double() - got[k].double()).abs().max().item() for k in ref)
-    print(f"sync={name} vs sync=none on CUDA, AdamW, 20 steps: max |param diff| = {d:.3g}")
+    print(f"sync={name.split('-', 1)[1]} vs sync=none on CUDA, 20 steps: max |param diff| = {d:.3g}")
 PY
 python3 -m ddp_lab.bench.memory_fit models=[alexnet] seed_table=false zero_stages=[] 'measure_zero=[0,1,2]' 'measure_precisions=[fp32,bf16]' hydra.run.dir="$OUT_DIR/memory_fit" > "$OUT_DIR/memory_fit.log" 2>&1; echo "memory_fit rc=$?"
 grep -A8 "^== ZeRO at world size 1" "$OUT_DIR/memory_fit.log"
