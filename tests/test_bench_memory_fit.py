@@ -26,6 +26,11 @@ def _measured(run_dir):
                        "measure_precisions=[fp32]", "measure_zero=[0,2]"], run_dir, timeout=180)
 
 
+@launch_together("memory_fit_bad_zero_stage", cost=4)
+def _bad_zero_stage(run_dir):
+    return memory_fit(["measure_zero=[3]"], run_dir, timeout=60)
+
+
 @launch_together("memory_fit_unknown", cost=5)
 def _unknown(run_dir):
     return memory_fit(["models=[no_such_net]"], run_dir, timeout=60)
@@ -90,6 +95,12 @@ def test_torchvision_model_and_predicted_memory_on_cpu(together):
 def test_unknown_model_is_one_clear_line(together):
     proc, _ = together["memory_fit_unknown"].result()
     assert proc.returncode == 2 and "unknown model 'no_such_net'" in proc.stderr
+
+
+def test_a_zero_stage_that_cannot_train_is_refused_up_front(together):
+    proc, run_dir = together["memory_fit_bad_zero_stage"].result()
+    assert proc.returncode == 2 and "measure_zero=[3]: stages are 0, 1, 2" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (run_dir / "memory_fit.jsonl").exists()
 
 
 def test_zero_stages_per_gpu_and_gpus_needed():

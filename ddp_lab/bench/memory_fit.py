@@ -160,22 +160,30 @@ def seed_rows(cfg) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
-def measure_rows(cfg) -> list[dict]:
-    """Predicted (ddp_lab.cost.memory) vs measured peak memory of the bare training loop."""
-    from ddp_lab.bench.train_throughput import bare_loop, compose_train_config, row_overrides
+def _image_shape(cfg) -> tuple[int, int]:
+    """(image size, classes) of cfg.measure_model, after checking the measure_* keys."""
     from ddp_lab.models import MODELS
 
     if cfg.measure_model not in MODELS:
         raise ConfigError(f"measure_model={cfg.measure_model!r} is not one of {', '.join(MODELS)}")
     if cfg.measure_batch <= 0 or cfg.measure_steps <= 0:
         raise ConfigError("measure_batch and measure_steps must be > 0")
+    bad = [p for p in cfg.measure_precisions if p not in mem.PRECISION_SCHEME]
+    if bad:
+        raise ConfigError(f"measure_precisions: {bad[0]!r} is not one of "
+                          f"{', '.join(mem.PRECISION_SCHEME)}")
+    return (224, 1000) if cfg.measure_model == "alexnet" else (32, 10)
+
+
+def measure_rows(cfg) -> list[dict]:
+    """Predicted (ddp_lab.cost.memory) vs measured peak memory of the bare training loop."""
+    from ddp_lab.bench.train_throughput import bare_loop, compose_train_config, row_overrides
+    from ddp_lab.models import MODELS
+
     device = resolve_device(cfg.device)
-    size, classes = (224, 1000) if cfg.measure_model == "alexnet" else (32, 10)
+    size, classes = _image_shape(cfg)
     rows = []
     for precision in cfg.measure_precisions:
-        if precision not in mem.PRECISION_SCHEME:
-            raise ConfigError(f"measure precision {precision!r} is not one of "
-                              f"{', '.join(mem.PRECISION_SCHEME)}")
         model = MODELS[cfg.measure_model](num_classes=classes)
         pred = mem.predict_training_memory(model, cfg.measure_batch, size, precision,
                                            "sgd_momentum", cfg.measure_channels_last)
@@ -202,7 +210,6 @@ def measure_zero_rows(cfg, run_dir: str) -> list[dict]:
     from ddp_lab.bench.train_throughput import (compose_train_config, ddp_loop, free_memory,
                                                  row_overrides)
 
-    _check_zero_stages(cfg.measure_zero, "measure_zero", (0, 1, 2))
     device = resolve_device(cfg.device)
     rows = []
     for precision in cfg.measure_precisions:
@@ -226,7 +233,7 @@ def _zero_row(cfg, stage: int, precision: str, summary: dict) -> dict:
     held = summary["memory"]
     counted = {k: v[0] for k, v in held.items() if k in mem.MEMORY_KEYS}
     predicted = held["predicted"]
-    size, classes = (224, 1000) if cfg.measure_model == "alexnet" else (32, 10)
+    size, classes = _image_shape(cfg)
     step = mem.predict_training_memory(MODELS[cfg.measure_model](num_classes=classes),
                                        cfg.measure_batch, size, precision, "adamw",
                                        cfg.measure_channels_last)
@@ -258,6 +265,9 @@ def run(cfg, run_dir: str) -> list[dict]:
         raise ConfigError(f"optimizer={cfg.optimizer!r} is not one of {', '.join(mem.OPTIMIZER_STATES)}")
     if cfg.gpu_gb <= 0:
         raise ConfigError(f"gpu_gb={cfg.gpu_gb} must be > 0")
+    _check_zero_stages(cfg.measure_zero, "measure_zero", (0, 1, 2))
+    if cfg.measure or cfg.measure_zero:
+        _image_shape(cfg)  # bad measure_* keys fail before any table
     entries = []
     for name in cfg.models:
         try:
