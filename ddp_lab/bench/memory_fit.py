@@ -162,6 +162,7 @@ def seed_rows(cfg) -> tuple[list[dict], list[str]]:
 
 def _image_shape(cfg) -> tuple[int, int]:
     """(image size, classes) of cfg.measure_model, after checking the measure_* keys."""
+    from ddp_lab.cost.network import MODEL_DEFAULTS
     from ddp_lab.models import MODELS
 
     if cfg.measure_model not in MODELS:
@@ -172,7 +173,7 @@ def _image_shape(cfg) -> tuple[int, int]:
     if bad:
         raise ConfigError(f"measure_precisions: {bad[0]!r} is not one of "
                           f"{', '.join(mem.PRECISION_SCHEME)}")
-    return (224, 1000) if cfg.measure_model == "alexnet" else (32, 10)
+    return MODEL_DEFAULTS[cfg.measure_model]
 
 
 def measure_rows(cfg) -> list[dict]:

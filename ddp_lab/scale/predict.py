@@ -23,9 +23,9 @@ k_phase = that phase with every rank computing / with one rank computing (probe:
 at N=1; skew = the slowest rank's time / rank 0's - 1 with every rank computing (probe: all).
 The all-reduce of a bucket (a reduce-scatter at sync.zero=2: the all-reduce's alpha and beta
 over the reduce-scatter's rounds and bytes) = the fit at its size and N, plus (our syncs)
-packing and unpacking it at the probe's measured bytes per second. The bucket layout is the sync's own rule;
-readiness is the probe's (measured on CPU), else the FLOP share. Strong scaling scales the
-batch-sized phases (data, forward, backward, other) by the per-rank batch ratio.
+packing and unpacking it at the probe's measured bytes per second. The bucket layout is the
+sync's own rule; readiness is the probe's (measured on CPU), else the FLOP share. Strong scaling
+scales the batch-sized phases (data, forward, backward, other) by the per-rank batch ratio.
 
 Efficiency = r x step_1 / step_N, with step_1 the N=1 point's measured step: nothing in the
 prediction is fitted to the points it is compared with.
