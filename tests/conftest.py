@@ -1,68 +1,84 @@
 import os
 import sys
-from functools import partial
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# One torch thread in the test process, as in every launched rank (helpers.env): the launches run
+# beside the in-process tests, and a second OpenMP thread waiting at a barrier for a descheduled
+# first one burns the cores they share.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# Fixtures that launch real runs (torchrun jobs, benchmark and sweep processes) or wait on them:
-# a test that uses one, directly or through another fixture, is slow. Tests that launch in their
-# own body carry @pytest.mark.slow themselves.
-LAUNCHING_FIXTURES = {"together", "small_references", "runs", "sweep", "launched"}
+# A test that reads a launch of helpers.TOGETHER (through `together`, directly or through another
+# fixture) or times one alone (`quiet_machine`) waits on real launched runs: it is slow. Tests that
+# launch in their own body carry @pytest.mark.slow themselves.
+LAUNCHING_FIXTURES = {"together", "quiet_machine"}
+
+
+def _group(item) -> int:
+    """0: needs no launch of TOGETHER (runs while they run); 1: reads one; 2: times a launch of
+    its own and needs the machine to itself."""
+    names = set(getattr(item, "fixturenames", ()))
+    return 2 if "quiet_machine" in names else 1 if "together" in names else 0
 
 
 def pytest_collection_modifyitems(config, items):
-    """The fast tier (`-m "not slow"`) leaves out every test that waits on a launched run."""
+    """Mark what the fast tier (`-m "not slow"`) leaves out, and run the tests that read launched
+    runs after all others (stable order within each group): the launches run in the background
+    meanwhile (`launches`), so the cores the in-process tests leave idle are used."""
     for item in items:
         if LAUNCHING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=_group)
 
 
 @pytest.fixture(scope="session", autouse=True)
-def base_temp_dir_first(tmp_path_factory):
-    """pytest's base temporary directory, made before any test. Fixtures make run dirs from
-    launcher threads (helpers.run_together), and TempPathFactory is not thread-safe: two threads
-    making the base at once made two, and one thread's mktemp then failed ("not a normalized and
-    relative path")."""
-    tmp_path_factory.getbasetemp()
+def launches(request, tmp_path_factory):
+    """Every launch of helpers.TOGETHER read by a selected test, started before the first test in
+    background threads, two at a time, in the order the tests will read them (by module, the
+    longest first within one). Name -> Future of (its result, its directory): `.result()` raises
+    what the launch raised, failing only the tests that read it. Each launch keeps its own
+    timeout; at the end of the session, launches not yet started are cancelled."""
+    from helpers import TOGETHER
+
+    first_use = {}
+    for i, item in enumerate(request.session.items):
+        if _group(item) and getattr(item, "module", None) is not None:
+            first_use.setdefault(item.module.__name__, i)
+    chosen = sorted(((min(first_use[m] for m in used_by if m in first_use), -cost, name)
+                     for name, (used_by, cost, _) in TOGETHER.items()
+                     if first_use.keys() & set(used_by)))
+    # Directories made here: TempPathFactory is not thread-safe (two threads making pytest's base
+    # directory at once made two, and one thread's mktemp then failed).
+    dirs = {name: tmp_path_factory.mktemp(name) for _, _, name in chosen}
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {name: pool.submit(_run, TOGETHER[name][2], dirs[name]) for _, _, name in chosen}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run(fn, directory):
+    return fn(directory), directory
 
 
 @pytest.fixture(scope="session")
-def small_references(tmp_path_factory):
-    """The two named references of test_train.py and test_sync_train.py, made once per session
-    (side by side) instead of once per module: one process on the whole batch (sync=none, batch
-    32) and torch DDP on 2 ranks x 16 (sync=ddp), both helpers.SMALL. Name -> run dir."""
-    from helpers import SMALL, SMALL_BUCKETS, check, run_together, torchrun
-
-    runs = {"single": (["sync=none", "train.batch_size=32"], 1),
-            "ddp": (["sync=ddp", "train.batch_size=16", *SMALL_BUCKETS], 2)}
-    dirs = {name: tmp_path_factory.mktemp(f"small_{name}") for name in runs}
-    done = run_together({
-        name: partial(torchrun, SMALL + overrides + [f"hydra.run.dir={dirs[name]}"],
-                      nproc=nproc, timeout=240)
-        for name, (overrides, nproc) in runs.items()})
-    for future in done.values():
-        check(future.result())
-    return dirs
+def together(launches):
+    """The launches of helpers.TOGETHER (see `launches`): name -> Future of (result, directory)."""
+    return launches
 
 
 @pytest.fixture(scope="session")
-def together(request, tmp_path_factory):
-    """Every launch of helpers.TOGETHER used by a module with selected tests, run the first time
-    a test asks for one, all together, two at a time, the longest first (each keeps its own
-    timeout). Name -> Future of (its result, its directory): `.result()` raises what the launch
-    raised, failing only the tests that read it."""
-    from helpers import TOGETHER, run_together
+def quiet_machine(launches):
+    """For a fixture that times its own launch: returns once every background launch has ended,
+    so nothing else runs beside it (its tests run last)."""
+    wait(launches.values())
 
-    modules = {getattr(item.module, "__name__", None) for item in request.session.items
-               if getattr(item, "module", None) is not None
-               and "together" in getattr(item, "fixturenames", ())}
-    chosen = sorted(((name, cost, fn) for name, (used_by, cost, fn) in TOGETHER.items()
-                     if modules.intersection(used_by)), key=lambda c: -c[1])
 
-    def run(name, fn):
-        directory = tmp_path_factory.mktemp(name)
-        return fn(directory), directory
-    return run_together({name: partial(run, name, fn) for name, _, fn in chosen})
+@pytest.fixture(scope="session")
+def small_references(together):
+    """helpers.SMALL_REFERENCES, launched with the others: name ("single", "ddp") -> run dir."""
+    from helpers import SMALL_REFERENCES
+
+    return {name: together[f"small_{name}"].result()[0] for name in SMALL_REFERENCES}

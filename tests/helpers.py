@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from types import SimpleNamespace
 from typing import Callable
 
@@ -24,7 +25,7 @@ REPO = os.path.dirname(CONF_DIR)
 # Small, fast, deterministic runs: dropout off so ranks and world sizes are comparable.
 FAST = ["train.progress=false", "model.dropout=0", "train.timing_warmup=0", "train.calibrate_steps=0"]
 # The short end-to-end runs of test_train.py and test_sync_train.py, which share their two
-# references (one process on the whole batch; DDP on 2 ranks): see small_references in conftest.py.
+# references (one process on the whole batch; DDP on 2 ranks): SMALL_REFERENCES below.
 # Random images, not digits: digits' flat backgrounds put activations exactly on ReLU/max-pool
 # ties, where a 1e-9 rounding difference flips a discrete choice and two correct float32 runs part
 # by 1e-5 within a few steps. On random images the runs agree to ~1e-8. A classifier 512 wide
@@ -97,28 +98,26 @@ def python_module(args: list[str], module: str = "ddp_lab.train", timeout: float
 def run_together(calls: dict, workers: int = 2) -> dict[object, Future]:
     """Run independent launches (name -> zero-argument callable) `workers` at a time and return
     name -> its finished Future: `.result()` is the launch's return value, or raises what it
-    raised (so one failed launch fails only the test that reads it). A launch leaves cores idle
-    much of its time (one process, torchrun's own start-up, a rank waiting at a barrier or on a
-    hung peer), and two of them side by side finish sooner than one after the other. Each keeps
-    its own timeout."""
+    raised. Each keeps its own timeout."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = {name: pool.submit(fn) for name, fn in calls.items()}
     return futures
 
 
-# Launches that need nothing but a directory (the benchmarks', bad commands' and injected faults'
-# one-shot runs of several modules), each declared with launch_together next to the tests that read
-# it. All of them run at once, two at a time, the first time a test needs one: the `together`
-# fixture of conftest.py. Declared at import, so every one is known once collection ends. Most are
-# one process (one core of two); together they keep both cores busy.
-# Name -> (the test modules that read it, cost, fn).
+# Every launch the suite's tests read (training runs, benchmarks, bad commands, injected faults),
+# each declared with launch_together next to the tests that read it. conftest.py's `launches` starts
+# all of them that a selected test reads, in the background before the first test, two at a time,
+# while the tests that need no launch run: a launch leaves cores idle much of its time (its start-up,
+# a rank waiting at a barrier or on a hung peer), and they fill them. Declared at import, so every
+# one is known once collection ends. Name -> (the test modules that read it, cost, fn).
 TOGETHER: dict[str, tuple[tuple[str, ...], float, Callable]] = {}
 
 
 def launch_together(name: str, cost: float, used_by: tuple[str, ...] = ()):
-    """Decorator: `fn(directory) -> result` joins TOGETHER as `name`, run where one of `used_by`
-    (test module names; by default the module that declares it) has selected tests. `cost`: about
-    how many seconds it takes alone on a 2-core machine (the longest start first)."""
+    """Decorator: `fn(directory) -> result` joins TOGETHER as `name`, launched where one of
+    `used_by` (test module names; by default the module that declares it) has selected tests.
+    `cost`: about how many seconds it takes alone on a 2-core machine (within a module, the
+    longest starts first)."""
     used_by = used_by or (sys._getframe(1).f_globals["__name__"],)
 
     def add(fn):
@@ -126,6 +125,21 @@ def launch_together(name: str, cost: float, used_by: tuple[str, ...] = ()):
         TOGETHER[name] = (used_by, cost, fn)
         return fn
     return add
+
+
+def _small_reference(overrides: list[str], nproc: int, run_dir):
+    check(torchrun(SMALL + overrides + [f"hydra.run.dir={run_dir}"], nproc=nproc, timeout=240))
+    return run_dir
+
+
+# The two named references of the end-to-end training tests, made once per session: one process on
+# the whole batch (sync=none, batch 32) and torch DDP on 2 ranks x 16 (sync=ddp), both SMALL.
+SMALL_REFERENCES = {"single": (["sync=none", "train.batch_size=32"], 1),
+                    "ddp": (["sync=ddp", "train.batch_size=16", *SMALL_BUCKETS], 2)}
+for _name, (_overrides, _nproc) in SMALL_REFERENCES.items():
+    launch_together(f"small_{_name}", cost=10, used_by=(
+        "test_train", "test_sync_train", "test_zero_train", "test_trace"))(
+        partial(_small_reference, _overrides, _nproc))
 
 
 def check(proc) -> None:

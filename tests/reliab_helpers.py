@@ -1,6 +1,6 @@
 """Shared by the reliability tests (test_resume, test_faults, test_bad_input): a tiny run, a
 launcher that kills the whole process group on timeout (a hung rank must not outlive a test),
-and the uninterrupted reference runs, made once per session."""
+and the uninterrupted reference runs, launched once per session."""
 
 from __future__ import annotations
 
@@ -64,23 +64,15 @@ def train_log(run_dir) -> str:
         return f.read()
 
 
-_references: dict = {}
-
-
-def reference(tmp_path_factory, sync: str, args=RESUME):
-    """The uninterrupted run every resumed or restarted run must equal (one per session)."""
-    if (sync, tuple(args)) not in _references:
-        make_reference(tmp_path_factory.mktemp(f"reference_{sync}"), sync, args)
-    return _references[(sync, tuple(args))]
-
-
-def make_reference(run_dir, sync: str, args=RESUME):
-    check(launch(args + [f"sync={sync}", "train.checkpoint_every=6", f"hydra.run.dir={run_dir}"]))
-    _references[(sync, tuple(args))] = run_dir
+def make_reference(run_dir, sync: str):
+    """The uninterrupted run every resumed or restarted run must equal."""
+    check(launch(RESUME + [f"sync={sync}", "train.checkpoint_every=6", f"hydra.run.dir={run_dir}"]))
     return run_dir
 
 
-# test_bad_input and test_faults read the DDP reference from the launches run together (conftest's
-# `together`), side by side with theirs; test_resume then finds it made.
-launch_together("reference_ddp", cost=40, used_by=("test_bad_input", "test_faults"))(
-    partial(make_reference, sync="ddp"))
+# One per sync, launched with the other launches of helpers.TOGETHER, read as
+# together[f"reference_{sync}"]: (its run dir, its run dir).
+for _sync in SYNC_NAMES:
+    launch_together(f"reference_{_sync}", cost=8,
+                    used_by=("test_bad_input", "test_faults", "test_resume"))(
+        partial(make_reference, sync=_sync))

@@ -24,7 +24,6 @@ def _bad_option(run_dir):
                          module="ddp_lab.bench.allreduce", timeout=50)
 
 
-# 300 s: the first test to read `together` (conftest.py) waits for all of its launches.
 @pytest.mark.timeout(300)
 def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(together):
     proc, run_dir = together["bench_allreduce"].result()

@@ -20,8 +20,7 @@ from reliab_helpers import (NO_DROPOUT, RESUME, SYNC_NAMES, SYNCS, assert_same_t
 
 # Each fault below needs one launch, and nothing from the others but the uninterrupted reference
 # (reliab_helpers.make_reference): they run with the other launches of helpers.TOGETHER
-# (conftest.py's `together`), two at a time; side by side, two launches fill the cores each leaves
-# idle in its start-up, and a hung run waits mostly idle for its timeout.
+# in the background (conftest.py's `launches`); a hung run waits mostly idle for its timeout.
 KILLED = RESUME + ["sync=ddp", "train.checkpoint_every=2", "fault.kill_rank=1", "fault.at_step=5"]
 RESTARTABLE = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
 HANG_TIMEOUT_S = 10

@@ -13,7 +13,7 @@ POINT = ["model=alexnet_cifar", "data=synthetic", "precision=fp32", "data.num_sa
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory):
+def probe(tmp_path_factory, quiet_machine):
     out = tmp_path_factory.mktemp("probe") / "probe.json"
     proc = torchrun([str(out), "--algos", "native,ring", "--rounds", "2", "--", *POINT], nproc=2,
                     timeout=300, module="ddp_lab.scale.interfere",

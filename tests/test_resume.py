@@ -5,7 +5,6 @@ always be loaded with weights_only=True and never runs code."""
 
 import os
 import random
-import shutil
 from functools import partial
 
 import numpy as np
@@ -15,29 +14,35 @@ import torch
 from ddp_lab import checkpoint
 from ddp_lab.config import ConfigError
 from ddp_lab.optim import lr_factor
-from helpers import check, compose_config, run_together, summary
+from helpers import check, compose_config, launch_together, summary
 from reliab_helpers import (RESUME, SYNC_NAMES, SYNCS, assert_same_training_state, ckpt, launch,
-                            reference, train_log)
+                            train_log)
 
 STOP = ["train.stop_at_step=4", "train.checkpoint_every=2", "train.keep_every=2"]
 AGAIN = [a for a in STOP if "stop_at_step" not in a]  # the same command without train.stop_at_step
 
 
-def _stop(tmp_path_factory, sync):
+def _stop(run, sync):
     """A run stopped at step 4 (mid-epoch 1), and what it left: its summary, its files, the
     position, learning rate and RNG states in its checkpoint."""
-    run = tmp_path_factory.mktemp(f"stopped_{sync}")
     check(launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + STOP))
     c = ckpt(os.path.join(run, "checkpoint.pt"))
-    return run, {"summary": summary(run), "files": set(os.listdir(run)),
-                 "position": (c["step"], c["epoch"], c["epoch_batch"]),
-                 "lr": c["scheduler"]["_last_lr"][0], "rng": c["rng"]}
+    return {"summary": summary(run), "files": set(os.listdir(run)),
+            "position": (c["step"], c["epoch"], c["epoch_batch"]),
+            "lr": c["scheduler"]["_last_lr"][0], "rng": c["rng"]}
+
+
+def _stop_then_again(sync, run):
+    """`_stop`, then the same command without train.stop_at_step in its run dir: (what the stop
+    left, the second launch's result)."""
+    return _stop(run, sync), launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + AGAIN)
 
 
 def _damage_then_resume(run):
-    """checkpoint.pt with one flipped byte in tensor data (torch.load would accept it),
-    checkpoint_step4.pt truncated, a temporary left by a save killed midway; then the same
-    command again."""
+    """A ddp run stopped at step 4, then damaged: checkpoint.pt with one flipped byte in tensor
+    data (torch.load would accept it), checkpoint_step4.pt truncated, a temporary left by a save
+    killed midway; then the same command again."""
+    _stop(run, "ddp")
     latest, kept4 = os.path.join(run, "checkpoint.pt"), os.path.join(run, "checkpoint_step4.pt")
     with open(latest, "r+b") as f:
         f.seek(os.path.getsize(latest) // 2)
@@ -54,38 +59,16 @@ def _damage_then_resume(run):
     return run
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every launch of this module, in two rounds of independent runs started together, two at
-    a time (side by side, two launches fill the cores each leaves idle in its start-up):
-    1. per sync, the uninterrupted reference (reliab_helpers.reference, once per session) and a
-       run stopped at step 4 (`_stop`);
-    2. per sync, the stopped run's command again without train.stop_at_step, in its run dir; and
-       a copy of the ddp run dir as it was after round 1, damaged, resumed (`_damage_then_resume`).
-    Name -> Future: reference_<sync> (run dir), stopped_<sync> (run dir, what it left),
-    again_<sync> (launch result), damaged (run dir)."""
-    first = run_together({**{f"reference_{sync}": partial(reference, tmp_path_factory, sync)
-                             for sync in SYNC_NAMES},
-                          **{f"stopped_{sync}": partial(_stop, tmp_path_factory, sync)
-                             for sync in SYNC_NAMES}})
-    second = {}
-    for sync in SYNC_NAMES:
-        if first[f"stopped_{sync}"].exception() is None:  # else its test reports why
-            run, _ = first[f"stopped_{sync}"].result()
-            if sync == "ddp":  # copied before the run dir is resumed
-                copy = tmp_path_factory.mktemp("damaged")
-                shutil.copytree(run, copy, dirs_exist_ok=True)
-                second["damaged"] = partial(_damage_then_resume, copy)
-            second[f"again_{sync}"] = partial(
-                launch, RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + AGAIN)
-    return {**first, **run_together(second)}
+for _sync in SYNC_NAMES:
+    launch_together(f"resume_{_sync}", cost=12)(partial(_stop_then_again, _sync))
+launch_together("resume_damaged", cost=12)(_damage_then_resume)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sync", SYNCS)
-def test_stop_at_step_then_rerun_equals_uninterrupted_run(sync, runs):
-    ref = runs[f"reference_{sync}"].result()
-    run, left = runs[f"stopped_{sync}"].result()
+def test_stop_at_step_then_rerun_equals_uninterrupted_run(sync, together):
+    ref = together[f"reference_{sync}"].result()[0]
+    (left, again), run = together[f"resume_{sync}"].result()
     s = left["summary"]
     assert s["steps"] == 4 and s["total_steps"] == 6 and s["stopped_early"]
     # the position: step 4 of 3-step epochs is epoch 1, batch 1; the schedule is the full run's
@@ -97,20 +80,19 @@ def test_stop_at_step_then_rerun_equals_uninterrupted_run(sync, runs):
     assert {"checkpoint_step2.pt", "checkpoint_step4.pt"} <= left["files"]
 
     # the same command without train.stop_at_step
-    check(runs[f"again_{sync}"].result())
+    check(again)
     assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
     assert summary(run)["steps"] == 6 and not summary(run)["stopped_early"]
     assert_same_training_state(run, ref)
 
 
 @pytest.mark.timeout(300)
-def test_damaged_checkpoints_are_refused_and_the_previous_good_one_used(runs):
+def test_damaged_checkpoints_are_refused_and_the_previous_good_one_used(together):
     """checkpoint.pt with one flipped byte in tensor data (torch.load would accept it),
     checkpoint_step4.pt truncated, a temporary left by a save killed midway: the run resumes from
     checkpoint_step2.pt (mid-epoch 0) and still ends equal to the uninterrupted run."""
-    ref = runs["reference_ddp"].result()
-    runs["stopped_ddp"].result()  # (its failure, if it failed)
-    run = runs["damaged"].result()
+    ref = together["reference_ddp"].result()[0]
+    run = together["resume_damaged"].result()[0]
     latest, kept4 = os.path.join(run, "checkpoint.pt"), os.path.join(run, "checkpoint_step4.pt")
     log = train_log(run)
     assert f"refusing checkpoint {latest} is corrupted" in log

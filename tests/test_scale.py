@@ -35,8 +35,8 @@ def num(x):
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    """World sizes 1 and 2 with DDP and ring."""
+def sweep(tmp_path_factory, quiet_machine):
+    """World sizes 1 and 2 with DDP and ring, nothing else running (its timings are checked)."""
     out = tmp_path_factory.mktemp("sweep")
     syncs = ",".join(SWEPT)
     proc = scale(TINY + [f"nproc=[1,2]", f"syncs=[{syncs}]", "simulate=false",
@@ -48,8 +48,7 @@ def sweep(tmp_path_factory):
 
 # The other launches of this module (a failing sweep, a point past its timeout, a bad override,
 # emit, the simulation) need nothing but a directory: they run with the other launches of
-# helpers.TOGETHER (conftest.py's `together`), in one go before the first test that reads one,
-# never while the sweep runs (whose timings they would disturb): its tests come first here.
+# helpers.TOGETHER in the background (conftest.py's `launches`), never while the sweep runs.
 # A missing sync (never launched), a point that fails at run time (too few samples for one step),
 # then a good point: the sweep finishes and reports all three.
 FAILING = ["nproc=[1]", "syncs=[nosuchsync,ddp]", "train.max_steps=3", "train.timing_warmup=1",

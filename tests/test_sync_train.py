@@ -6,14 +6,13 @@ accumulation (2 micro-steps of 8 instead of one of 16: the same 32 samples per s
 algorithm once and on each overlap mode. Two more run the model through torch.compile (Inductor
 on the CPU), under our ring with its backward hooks and under DDP: compiled, they must train
 like each other, and like the eager references up to Inductor's rounding. All start from one
-fixture, two at a time: side by side, two launches fill the cores each leaves idle in its
-start-up."""
+session's background launches (helpers.TOGETHER, conftest.py's `launches`)."""
 
 from functools import cache, partial
 
 import pytest
 
-from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff, run_together, summary, torchrun
+from helpers import SMALL, SMALL_BUCKETS, check, final_params, launch_together, max_abs_diff, summary, torchrun
 
 TOLERANCE = 1e-6
 # Compiled against eager: Inductor's CPU kernels round differently from ATen's (vectorised exp and
@@ -53,17 +52,21 @@ def references(small_references):
             "ddp_summary": summary(ddp)}
 
 
+for _run, _overrides in RUNS.items():
+    launch_together(f"sync_train_{_run}", cost=25 if _run.endswith("-compile") else 12)(
+        partial(_launch, overrides=_overrides))
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Every run of RUNS, two at a time: id -> Future of its run dir (raises if the run failed)."""
-    return run_together({run: partial(_launch, tmp_path_factory.mktemp(run), overrides)
-                         for run, overrides in RUNS.items()})
+def launched(together):
+    """Run id of RUNS -> its run dir, once its launch has ended (raises if it failed)."""
+    return lambda run: together[f"sync_train_{run}"].result()[0]
 
 
 @pytest.mark.timeout(280)
 @pytest.mark.parametrize("run", list(RUNS))
 def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, launched):
-    run_dir = launched[run].result()
+    run_dir = launched(run)
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["global_batch"] == 32 and s["sync"] == run.split("-")[0]
     assert len(set(s["rank_param_digests"])) == 1, "replicas differ"
@@ -77,7 +80,7 @@ def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, launc
         assert diff < (COMPILED_TOLERANCE if compiled else TOLERANCE), \
             f"{run}: max |ours - {ref}| = {diff}"
     if compiled and run != "ddp-compile":
-        diff = max_abs_diff(final_params(launched["ddp-compile"].result()), got)
+        diff = max_abs_diff(final_params(launched("ddp-compile")), got)
         assert diff < TOLERANCE, f"{run}: max |ours - ddp, both compiled| = {diff}"
     # Bytes rank 0 sent per step, counted: at N=2 each algorithm sends the whole gradient once
     # (naive: to rank 1; ring: half in each phase; tree: one broadcast level), accumulation or not.
