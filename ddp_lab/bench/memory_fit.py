@@ -208,43 +208,56 @@ def measure_zero_rows(cfg, run_dir: str) -> list[dict]:
     predicted and measured. At N=1 a shard is the whole, so the stages differ only by what each
     keeps besides the shards: the buckets, and (zero>=1) the shards' gradients beside the
     model's, which finish() releases only after backward."""
-    from ddp_lab.bench.train_throughput import (compose_train_config, ddp_loop, free_memory,
-                                                 row_overrides)
+    from ddp_lab.bench.train_throughput import ddp_loop, free_memory
 
     device = resolve_device(cfg.device)
     rows = []
     for precision in cfg.measure_precisions:
         for stage in cfg.measure_zero:
-            overrides = [o for o in row_overrides(
-                cfg.measure_model, precision, cfg.measure_channels_last, False, cfg.measure_batch,
-                cfg.measure_steps, 2, device, 0) if o != "sync=none"]
-            tcfg = compose_train_config(overrides + ["sync=ring", f"sync.zero={stage}",
-                                                     "optim=adamw"])
             free_memory(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            summary = ddp_loop(tcfg, os.path.join(run_dir, f"zero{stage}_{precision}"))["summary"]
+            summary = ddp_loop(zero_train_config(cfg, stage, precision, device),
+                               os.path.join(run_dir, f"zero{stage}_{precision}"))["summary"]
             rows.append(_zero_row(cfg, stage, precision, summary))
     return rows
 
 
-def _zero_row(cfg, stage: int, precision: str, summary: dict) -> dict:
+def zero_train_config(cfg, stage: int, precision: str, device: torch.device):
+    """The training config of one measure_zero run: cfg.measure_* on synthetic data, sync=ring at
+    sync.zero=stage, AdamW."""
+    from ddp_lab.bench.train_throughput import compose_train_config, row_overrides
+
+    overrides = [o for o in row_overrides(
+        cfg.measure_model, precision, cfg.measure_channels_last, False, cfg.measure_batch,
+        cfg.measure_steps, 2, device, 0) if o != "sync=none"]
+    return compose_train_config(overrides + ["sync=ring", f"sync.zero={stage}", "optim=adamw"])
+
+
+def predicted_peak_parts(cfg, stage: int, precision: str, summary: dict) -> dict[str, float]:
+    """The predicted peak of a measure_zero run, part by part (bytes): what its rank holds
+    (summary.json's `memory.predicted`), the model's .grad beside the shards' at zero>=1, and a
+    step's activations, input batch and autocast copies (ddp_lab.cost.memory)."""
     from ddp_lab.models import MODELS
 
-    held = summary["memory"]
-    counted = {k: v[0] for k, v in held.items() if k in mem.MEMORY_KEYS}
-    predicted = held["predicted"]
+    predicted = summary["memory"]["predicted"]
     size, classes = _image_shape(cfg)
     step = mem.predict_training_memory(MODELS[cfg.measure_model](num_classes=classes),
                                        cfg.measure_batch, size, precision, "adamw",
                                        cfg.measure_channels_last)
-    model_grads = predicted["params_bytes"] if stage >= 1 else 0.0  # the .grad beside the shards
-    pred_peak = (sum(predicted.values()) + model_grads + step["autocast_copies"] + step["input"]
-                 + step["activations"])
+    return {**predicted, "model_grads_bytes": predicted["params_bytes"] if stage >= 1 else 0.0,
+            **{f"{k}_bytes": step[k] for k in ("activations", "input", "autocast_copies")}}
+
+
+def _zero_row(cfg, stage: int, precision: str, summary: dict) -> dict:
+    held = summary["memory"]
+    counted = {k: v[0] for k, v in held.items() if k in mem.MEMORY_KEYS}
+    pred_held = sum(held["predicted"].values())
+    pred_peak = sum(predicted_peak_parts(cfg, stage, precision, summary).values())
     measured = summary.get("max_memory_allocated_GiB", float("nan")) * 2**30
     return {"model": cfg.measure_model, "batch": cfg.measure_batch, "precision": precision,
             "stage": stage, **{f"{k[:-6]}_gb": v / GB for k, v in counted.items()},
-            "pred_held_gb": sum(predicted.values()) / GB, "pred_peak_gb": pred_peak / GB,
+            "pred_held_gb": pred_held / GB, "pred_peak_gb": pred_peak / GB,
             "measured_peak_gb": measured / GB, "measured_over_pred": measured / pred_peak}
 
 
