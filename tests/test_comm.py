@@ -38,7 +38,7 @@ def shapes(n: int) -> list[tuple[int, ...]]:
     """numel 0, 1, < N, N, N+1, primes, multi-dimensional, and a few thousand elements."""
     out = [(0,), (1,), (max(n - 1, 1),), (n,), (n + 1,), (2,), (7,), (13,), (97,), (3, 5),
            (2, 3, 7), (1031,), (4099,), (0, 3)]
-    if n > 5:  # 6 and 7 ranks on 2 cores are slow: the awkward sizes only
+    if n > 3:  # 4-7 ranks on 2 cores are slow: the awkward sizes only (1-3 ranks take them all)
         out = [(0,), (1,), (n - 1,), (n + 1,), (13,), (2, 3, 7), (1031,)]
     return list(dict.fromkeys(out))
 
