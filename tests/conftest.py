@@ -1,5 +1,6 @@
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
@@ -34,11 +35,23 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_group)
 
 
+# Launches running at once: two while the tests that need none run, three once the tests that read
+# launches begin and the test process mostly waits on them.
+_slots = threading.Semaphore(2)
+_widened = threading.Event()
+
+
+def pytest_runtest_setup(item):
+    if _group(item) and not _widened.is_set():
+        _widened.set()
+        _slots.release()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def launches(request, tmp_path_factory):
     """Every launch of helpers.TOGETHER read by a selected test, started before the first test in
-    background threads, two at a time, in the order the tests will read them (by module, the
-    longest first within one). Name -> Future of (its result, its directory): `.result()` raises
+    background threads (two at a time, three once the tests that read them begin: `_slots`), in
+    the order the tests will read them (by module, the longest first within one). Name -> Future of (its result, its directory): `.result()` raises
     what the launch raised, failing only the tests that read it. Each launch keeps its own
     timeout; at the end of the session, launches not yet started are cancelled."""
     from helpers import TOGETHER
@@ -53,14 +66,15 @@ def launches(request, tmp_path_factory):
     # Directories made here: TempPathFactory is not thread-safe (two threads making pytest's base
     # directory at once made two, and one thread's mktemp then failed).
     dirs = {name: tmp_path_factory.mktemp(name) for _, _, name in chosen}
-    pool = ThreadPoolExecutor(max_workers=2)
+    pool = ThreadPoolExecutor(max_workers=3)
     futures = {name: pool.submit(_run, TOGETHER[name][2], dirs[name]) for _, _, name in chosen}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _run(fn, directory):
-    return fn(directory), directory
+    with _slots:
+        return fn(directory), directory
 
 
 @pytest.fixture(scope="session")
