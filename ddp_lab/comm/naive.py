@@ -9,7 +9,8 @@ Schedule (N ranks, tensor of S bytes, chunk None = the whole tensor):
     step 1  rank 0:     send the sum to every rank 1..N-1 (all posted at once)
             rank r > 0: recv whole tensor from rank 0
 Cost: 2 rounds; rank 0 sends (N-1)S and receives (N-1)S, every other rank sends S;
-total 2(N-1)S (`cost("naive", S, N)`). Rank 0 needs N-1 receive buffers of S.
+total 2(N-1)S (`cost("naive", S, N)`). Rank 0 needs N-1 receive buffers of S (`p2p.scratch`: on
+the CPU kept across calls, and held between them).
 
 reduce-scatter: step 0 as above (the same sums, in the same order); step 1 rank 0 sends chunk p
 (torch.tensor_split's, N chunks) to rank p only. Rank 0 sends S - |chunk 0|, every other rank S.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ddp_lab.comm.p2p import Channel
+from ddp_lab.comm.p2p import Channel, scratch
 
 
 def all_reduce_naive(flat: torch.Tensor, ch: Channel) -> None:
@@ -55,11 +56,10 @@ def _sum_at_root(flat: torch.Tensor, ch: Channel) -> None:
     """Step 0: every rank's tensor to rank 0, summed there in rank order."""
     n = ch.size
     if ch.rank == 0:
-        bufs = [torch.empty_like(flat) for _ in range(n - 1)]
+        bufs = scratch(flat, flat.numel(), n - 1)
         ch.exchange(0, recvs=[(peer, bufs[peer - 1], None) for peer in range(1, n)])
         for b in bufs:
             flat.add_(b)
-        del bufs
     else:
         ch.exchange(0, sends=[(0, flat, None)])
 

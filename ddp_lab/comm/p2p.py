@@ -49,6 +49,24 @@ class Recorder:
         self.events.clear()
 
 
+_kept = threading.local()  # receive buffers, per thread: the sync's communication thread has its own
+
+
+def scratch(like: torch.Tensor, numel: int, count: int) -> torch.Tensor:
+    """`count` buffers of `numel` elements of like's dtype to receive into, as the rows of one
+    tensor. On the CPU they are kept per thread and dtype across calls (grown when too small): a
+    fresh buffer of many MiB is a fresh mapping, and receiving into it faults in every page
+    (docs/results/cpu-ring-vs-native). On CUDA they are allocated per call: the caching allocator
+    makes that cheap, and it stays safe whatever stream the next call runs on."""
+    if like.device.type != "cpu":
+        return torch.empty(count, numel, dtype=like.dtype, device=like.device)
+    kept = _kept.__dict__.setdefault("by_dtype", {})
+    buf = kept.get(like.dtype)
+    if buf is None or buf.numel() < count * numel:
+        buf = kept[like.dtype] = torch.empty(count * numel, dtype=like.dtype)
+    return buf[:count * numel].view(count, numel)
+
+
 _local = threading.local()
 
 

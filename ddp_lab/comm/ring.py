@@ -40,23 +40,19 @@ messages (m per step), not the bytes. Alone, each half takes N-1 steps and rank 
 chunk but r (reduce-scatter) or every chunk but r+1 (all-gather): (N-1)S in total, (N-1)S/N per
 rank when N divides the count (`cost("ring", S, N, op=...)`), half the all-reduce.
 
-Scratch: two slices. On CPU one pair per thread and dtype is kept across calls: a fresh buffer
-per call paid a page fault per 4 KiB on first touch, a large share of the ring's CPU time
-(docs/results/cpu-ring-vs-native). On CUDA it is allocated per call: the caching allocator makes
-that cheap, and it stays safe whatever stream the next call runs on.
+Scratch: two slices (`p2p.scratch`: kept across calls on the CPU, where a fresh buffer per call
+paid a page fault per 4 KiB on first touch, a large share of the ring's CPU time).
 """
 
 from __future__ import annotations
 
-import threading
 
 import torch
 
-from ddp_lab.comm.p2p import Channel
+from ddp_lab.comm.p2p import Channel, scratch
 
 SLICE_BYTES = 4 << 20  # largest slice: gloo pays per message, so not smaller (measured)
 MIN_SLICE_BYTES = 1 << 20  # smaller slices: a second message cost more than the overlap gave
-_cpu_scratch = threading.local()  # per thread: the sync's communication thread has its own
 
 
 def all_reduce_ring(flat: torch.Tensor, ch: Channel) -> None:
@@ -79,7 +75,7 @@ def _ring(flat: torch.Tensor, ch: Channel, steps: range, shift: int) -> None:
     right, left = (r + 1) % n, (r - 1) % n
     chunks = torch.tensor_split(flat, n)  # the largest first
     m = slices_per_chunk(chunks[0].numel(), flat.element_size())
-    bufs = _scratch(-(-chunks[0].numel() // m), flat)  # two, each of the largest slice
+    bufs = scratch(flat, -(-chunks[0].numel() // m), 2)  # two, each of the largest slice
     pending, i = None, 0  # the slice in flight; slices posted so far (alternates the scratch)
     for s in steps:
         reduce = s < n - 1
@@ -106,22 +102,14 @@ def slices_per_chunk(numel: int, element_size: int) -> int:
     return max(-(-nbytes // SLICE_BYTES), 2 if nbytes >= 2 * MIN_SLICE_BYTES else 1)
 
 
-def _land(posted, dst: torch.Tensor, scratch) -> None:
-    """Wait for a slice; in the reduce-scatter (it came into scratch), add it."""
+def _land(posted, dst: torch.Tensor, received) -> None:
+    """Wait for a slice; in the reduce-scatter (it came into scratch, `received`), add it."""
     posted.wait()
-    if scratch is not None:
-        dst.add_(scratch)
+    if received is not None:
+        dst.add_(received)
 
 
 def _cut(chunk: torch.Tensor, m: int):
     return (chunk,) if m == 1 else torch.tensor_split(chunk, m)
 
 
-def _scratch(numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if like.device.type != "cpu":
-        return tuple(torch.empty(2, numel, dtype=like.dtype, device=like.device))
-    kept = _cpu_scratch.__dict__.setdefault("by_dtype", {})
-    pair = kept.get(like.dtype)
-    if pair is None or pair[0].numel() < numel:
-        pair = kept[like.dtype] = tuple(torch.empty(2, numel, dtype=like.dtype))
-    return pair

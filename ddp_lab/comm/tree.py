@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from ddp_lab.comm.p2p import Channel
+from ddp_lab.comm.p2p import Channel, scratch
 
 
 def levels(n: int) -> int:
@@ -79,7 +79,7 @@ def _reduce(flat: torch.Tensor, ch: Channel) -> None:
             ch.exchange(k, sends=[(r - d, flat, None)])
         elif r % (2 * d) == 0 and r + d < n:
             if buf is None:
-                buf = torch.empty_like(flat)
+                buf = scratch(flat, flat.numel(), 1)[0]
             ch.exchange(k, recvs=[(r + d, buf, None)])
             flat.add_(buf)
 
