@@ -46,7 +46,6 @@ paid a page fault per 4 KiB on first touch, a large share of the ring's CPU time
 
 from __future__ import annotations
 
-
 import torch
 
 from ddp_lab.comm.p2p import Channel, scratch
