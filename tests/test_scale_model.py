@@ -190,3 +190,14 @@ def test_report_and_csv_have_the_phase_by_phase_table(tmp_path):
     outputs.plot([one, two], str(tmp_path / "scaling.png"))
     assert (tmp_path / "scaling.png").stat().st_size > 0
     assert outputs.x_label([one, two]) == "CPU processes (world size)"
+
+
+def test_a_sweep_without_n1_still_plots(tmp_path):
+    """nproc=[2,4]: no baseline, so no efficiency; the plot still draws the rest."""
+    from ddp_lab.scale import outputs
+
+    rows = [_row(f"n{n}-ring", n, {"backward": 100.0}, {"backward": 100.0}) for n in (2, 4)]
+    for r in rows:
+        r["efficiency"] = r["pred_efficiency"] = float("nan")
+    outputs.plot(rows, str(tmp_path / "scaling.png"))
+    assert (tmp_path / "scaling.png").stat().st_size > 0

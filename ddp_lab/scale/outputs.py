@@ -123,6 +123,9 @@ def _plot_lines(ax_e, ax_t, ok: list[dict], xs_all: list[int]) -> None:
         ax.set_xlabel(x_label(ok) if ok else "world size")
         ax.set_ylabel(ylabel)
         ax.set_xscale("log", base=2)
+        # Limits of their own: a sweep without N=1 has no efficiency to draw, and a log axis
+        # with no data has none.
+        ax.set_xlim(min(xs_all) / 1.25, max(xs_all) * 1.25)
         ax.set_xticks(xs_all, [str(x) for x in xs_all])
         ax.grid(True, alpha=0.3)
         if by_series:
