@@ -133,6 +133,27 @@ def test_interference_slows_both_sides():
     assert net.schedule([], 1.0, lambda nb: 1.0, interference=net.Interference(5, 5)).exposed_s == 0
 
 
+def test_buckets_are_priced_by_the_probe_where_it_timed_them():
+    """A bucket of a size the probe timed alone at the point's N costs what the probe measured;
+    any other size, and ZeRO-2's reduce-scatter (not probed), what the fit says."""
+    from types import SimpleNamespace
+
+    from ddp_lab.scale.predict import bucket_time_s
+
+    fit = net.fit_alpha_beta(timings("ring", [(0, 1e-4, 1e-9)]), 1)[("ring", "gloo")]
+    measured = {"bucket_bytes": [64 * MIB, 24 * MIB], "bucket_ms": [[1.0, 90.0, 2.0],
+                                                                    [0.5, 30.0, 0.7]]}
+    point = lambda zero: SimpleNamespace(world_size=4, config={"sync": {"zero": zero}})
+    for zero in (0, 1):
+        assert bucket_time_s(64 * MIB, point(zero), fit, measured) == pytest.approx(0.090)
+        assert bucket_time_s(24 * MIB, point(zero), fit, measured) == pytest.approx(0.030)
+        assert bucket_time_s(8 * MIB, point(zero), fit, measured) == pytest.approx(
+            fit.time_s(8 * MIB, 4))
+    assert bucket_time_s(64 * MIB, point(2), fit, measured) == pytest.approx(
+        fit.time_s(64 * MIB, 4, "reduce_scatter"))
+    assert bucket_time_s(64 * MIB, point(0), fit, {}) == pytest.approx(fit.time_s(64 * MIB, 4))
+
+
 def test_bucket_rules_match_the_syncs():
     """DDP closes a bucket once it reaches the cap (the first at 1 MiB); ours starts a new one
     before a parameter would take it past the cap (0: one per parameter)."""

@@ -247,6 +247,29 @@ def test_a_failure_in_the_comm_thread_is_raised_by_finish():
     assert spawn(_comm_thread_error, 1, timeout=25) == [True]
 
 
+def _threads_seen_by_the_comm_thread() -> tuple[int, int]:
+    from ddp_lab.sync.bucketed import _CommThread
+
+    seen = []
+    worker = _CommThread(lambda bucket, ready: seen.append(torch.get_num_threads()),
+                         torch.device("cpu"))
+    worker.submit(0, None)
+    worker.flush()
+    worker.close()
+    return seen[0], torch.get_num_threads()
+
+
+def test_the_comm_thread_adds_on_one_core_and_leaves_training_its_threads():
+    """CPU: the communication thread's copies and adds run on one intra-op thread (beside
+    backward's own team), while the training thread keeps the threads it had."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _threads_seen_by_the_comm_thread() == (1, 2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_sync_configs_compose():
     from helpers import compose_config
 

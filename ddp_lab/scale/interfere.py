@@ -16,8 +16,8 @@ users of a shared machine) falls on all of them alike:
             (cores and memory bandwidth on a CPU; ~1 on separate GPUs)
   and for each algorithm (`native` is DDP's: the backend's own all-reduce):
   comm      every rank runs the sync's bucket all-reduces at the training's bucket sizes (ours:
-            pack, all-reduce, unpack; DDP's hook: divide, all-reduce), nothing computed; for
-            DDP also all of them launched at once, as its hook does (`together`)
+            pack, all-reduce, unpack; DDP's hook: divide, all-reduce), one after the other,
+            nothing computed
   bwd+comm  forward + backward while those all-reduces run back to back on a second thread (until
             no rank is computing): compute slowed by communication
   comm+bwd  the bucket all-reduces once while forward + backward run back to back: communication
@@ -25,9 +25,10 @@ users of a shared machine) falls on all of them alike:
 
 Derived from rank 0's medians (the training loop reports rank 0's): contention[phase] = all /
 solo; compute_slowdown = backward in bwd+comm / in all; comm_slowdown = all-reduces in comm+bwd /
-in comm; concurrency = together / one at a time (DDP); each gradient's readiness (the fraction of
-backward done when it was produced, from
-post-accumulate-grad hooks in `all`; CPU only: on CUDA a hook fires when the kernel is queued).
+in comm; bucket_ms = each bucket's [pack, all-reduce, unpack] in comm (the model's price of that
+bucket at this N); each gradient's readiness (the fraction of backward done when it was produced,
+from post-accumulate-grad hooks in `all`; CPU only: on CUDA a hook fires when the kernel is
+queued).
 OUT.json holds every rank's samples next to what was derived.
 """
 
@@ -41,12 +42,14 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddp_lab.cost import network as net
+from ddp_lab.sync.bucketed import comm_thread_init
 
 PHASES = ("forward", "backward", "guard", "optim")
 
@@ -152,9 +155,16 @@ class BucketComm:
         numel = [max(1, s // elem) for s in sizes]
         self.src = [torch.randn(k, device=device).to(dtype) for k in numel]  # "the gradients"
         self.buf = [torch.zeros(k, dtype=dtype, device=device) for k in numel]
+        self._thread = ThreadPoolExecutor(1, initializer=comm_thread_init, initargs=(device,))
 
     def run(self) -> list[list[float]]:
-        """[pack, all-reduce, unpack] ms per bucket, as the sync does them (see the module)."""
+        """[pack, all-reduce, unpack] ms per bucket, as the sync does them (see the module): ours
+        on a thread set up as the sync's communication thread."""
+        if self.algo == "native":  # (DDP's hook divides on backward's thread)
+            return self._run()
+        return self._thread.submit(self._run).result()
+
+    def _run(self) -> list[list[float]]:
         from ddp_lab import comm
 
         out = []
@@ -175,17 +185,6 @@ class BucketComm:
             t3 = time.perf_counter()
             out.append([(t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3])
         return out
-
-    def run_together(self) -> float:
-        """ms of every bucket's all-reduce launched at once (async_op, as DDP's hook launches
-        them), waited for together: the backend may run them side by side (gloo's process group
-        has a pool of worker threads), where ours run one at a time on the sync's thread."""
-        t0 = time.perf_counter()
-        works = [dist.all_reduce(buf, async_op=True) for buf in self.buf]
-        for w in works:
-            w.wait()
-        _sync(self.buf[0].device)
-        return (time.perf_counter() - t0) * 1e3
 
 
 def bucket_sizes(model: torch.nn.Module, algo: str, scfg) -> list[int]:
@@ -249,9 +248,6 @@ def one_round(b: Bench, comms: dict[str, BucketComm], info) -> dict:
     for algo, bc in comms.items():
         dist.barrier()
         s[f"{algo}/comm"] = bc.run()
-        if algo == "native":
-            dist.barrier()
-            s["native/together"] = bc.run_together()
         dist.barrier()
         s[f"{algo}/bwd+comm"] = compute_under_comm(b, bc)
         dist.barrier()
@@ -308,11 +304,7 @@ def _derive_algo(rounds: list[dict], algo: str, bucket_bytes: list[int], backwar
                   for i in range(len(bucket_bytes))]
     local = sum(p + u for p, _, u in per_bucket)
     under = lambda ph: _med(r[f"{algo}/bwd+comm"][ph] for r in rounds)
-    together = _med(r.get(f"{algo}/together", float("nan")) for r in rounds)
-    serial = _med(sum(x[1] for x in r[f"{algo}/comm"]) for r in rounds)
     return {"bucket_bytes": bucket_bytes, "comm_ms": _med(alone), "comm_loaded_ms": _med(loaded),
-            # all-reduces launched at once / one after the other (native: DDP's way vs ours)
-            "concurrency": together / serial if together == together else 1.0,
             "bucket_ms": per_bucket,  # [pack, all-reduce, unpack] per bucket, alone
             "local_s_per_byte": local * 1e-3 / max(1, sum(bucket_bytes)),
             "compute_slowdown": under("backward") / backward_ms,

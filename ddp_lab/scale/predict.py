@@ -21,9 +21,13 @@ fit (ddp_lab/cost/network.py):
 
 k_phase = that phase with every rank computing / with one rank computing (probe: all / solo), 1
 at N=1; skew = the slowest rank's time / rank 0's - 1 with every rank computing (probe: all).
-The all-reduce of a bucket (a reduce-scatter at sync.zero=2: the all-reduce's alpha and beta
-over the reduce-scatter's rounds and bytes) = the fit at its size and N, plus (our syncs)
-packing and unpacking it at the probe's measured bytes per second. The bucket layout is the
+The all-reduce of a bucket = the probe's own timing of that bucket at N, alone, where it timed
+one of that size (the same buckets as the training's, in its process layout: these, not the
+fit, are what training achieved in the sweeps of docs/results/cpu16-scaling); else the fit at
+its size and N (a reduce-scatter at sync.zero=2: the all-reduce's alpha and beta over the
+reduce-scatter's rounds and bytes). Plus, for our syncs, packing and unpacking it at the
+probe's measured bytes per second. DDP's buckets play one after the other like ours: they
+become ready at different times in backward, so rarely run side by side. The bucket layout is the
 sync's own rule; readiness is the probe's (measured on CPU), else the FLOP share. Strong scaling
 scales the batch-sized phases (data, forward, backward, other) by the per-rank batch ratio.
 
@@ -132,23 +136,29 @@ def _buckets(row: dict, point, probe: Probe | None) -> list[net.Bucket]:
 def comm_schedule(row: dict, point, fit: net.Fit | None, probe: Probe | None,
                   backward_ms: float) -> net.Schedule:
     """The point's backward and bucket all-reduces as the model plays them at its N: each bucket
-    the fit's all-reduce and (our syncs) its pack and unpack on the sync's thread, at the probe's
-    bytes per second."""
+    priced by bucket_time_s, and (our syncs) packed and unpacked on the sync's thread at the
+    probe's bytes per second (DDP's copies run inside backward: booked in sync)."""
     n, algo = point.world_size, _algo(point.sync)
-    buckets = _buckets(row, point, probe)
-    local, concurrency = 0.0, 1.0
-    if probe is not None and algo != "native":  # (DDP copies inside backward: booked in sync)
-        local = probe.algos.get(algo, {}).get("local_s_per_byte", 0.0)
-    elif probe is not None:  # DDP's all-reduces may run side by side on the backend's threads
-        concurrency = min(1.0, probe.algos.get(algo, {}).get("concurrency", 1.0))
+    if fit is None or n < 2:
+        return net.schedule([], backward_ms * 1e-3, None)
+    measured = probe.algos.get(algo, {}) if probe is not None else {}
+    local = measured.get("local_s_per_byte", 0.0) if algo != "native" else 0.0
     overlap = bool(point.config.get("sync", {}).get("overlap", True)) or point.sync == "ddp"
     inter = probe.interference(algo) if probe is not None else net.NO_INTERFERENCE
-    backward = backward_ms * 1e-3
-    reduce = net.ZERO_OPS[_zero(point)][0]
-    at_n = net.schedule(buckets, backward,
-                        lambda nb: fit.time_s(nb, n, reduce) * concurrency + nb * local, overlap,
-                        inter) if fit is not None and n > 1 else net.schedule([], backward, None)
-    return at_n
+    return net.schedule(_buckets(row, point, probe), backward_ms * 1e-3,
+                        lambda nb: bucket_time_s(nb, point, fit, measured) + nb * local,
+                        overlap, inter)
+
+
+def bucket_time_s(nbytes: int, point, fit: net.Fit, measured: dict) -> float:
+    """One bucket's collective at the point's N: the probe's median time of a bucket of that
+    size alone (all-reduces only: ZeRO-2's reduce-scatter was not probed), else the fit's."""
+    op = net.ZERO_OPS[_zero(point)][0]
+    by_size = dict(zip(measured.get("bucket_bytes", []),
+                       (ms[1] * 1e-3 for ms in measured.get("bucket_ms", []))))
+    if op == "all_reduce" and nbytes in by_size:
+        return by_size[nbytes]
+    return fit.time_s(nbytes, point.world_size, op)
 
 
 def gather_ms(row: dict, point, fit: net.Fit | None, probe: Probe | None) -> float:

@@ -20,7 +20,8 @@ overlap=true
     step counts as zeros: it gets a zero grad), waits until the thread has done them all, and
     re-raises anything that failed there.
     - CPU (gloo): gloo ops block the calling thread, hence the thread: all the step's
-      communication runs there and the training thread only waits in finish().
+      communication runs there and the training thread only waits in finish(). Its copies and
+      adds run on one core (`comm_thread_init`), as gloo's own workers reduce.
     - CUDA (NCCL): the same thread, issuing on a side stream of its own. The hook records an event
       on the stream that produced the gradient and the side stream waits on it before reading
       (packing) the grads; NCCL work is ordered after the side stream by the process group, and
@@ -359,11 +360,8 @@ class _CommThread:
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
-        if self.stream is not None:
-            torch.cuda.set_device(self.device)
-            ctx = torch.cuda.stream(self.stream)
-        else:
-            ctx = contextlib.nullcontext()
+        comm_thread_init(self.device)
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx:
             while True:
                 kind, arg, ready_event = self._jobs.get()
@@ -380,3 +378,15 @@ class _CommThread:
                         self._run(arg, ready_event)
                     except BaseException as e:  # noqa: BLE001 - re-raised in flush()
                         self._error = e
+
+
+def comm_thread_init(device: torch.device) -> None:
+    """Set up the calling thread to run the all-reduces beside backward. CUDA: its device. CPU:
+    one intra-op thread, for the copies and adds run here would start a second OpenMP team on the
+    cores backward's team already uses, and each team's threads then wait on the other's
+    descheduled ones (torch.set_num_threads: this thread's team; threads started later default to
+    it too, and the training loop starts none)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
