@@ -6,7 +6,9 @@ accumulation (2 micro-steps of 8 instead of one of 16: the same 32 samples per s
 algorithm once and on each overlap mode. Two more run the model through torch.compile (Inductor
 on the CPU), under our ring with its backward hooks and under DDP: compiled, they must train
 like each other, and like the eager references up to Inductor's rounding. All start from one
-session's background launches (helpers.TOGETHER, conftest.py's `launches`)."""
+session's background launches (helpers.TOGETHER, conftest.py's `launches`). The ring-overlap run
+is traced too (train.trace=true): test_trace.py reads its timeline, which saves that module a
+launch of its own; the trace only stamps times, so the run must still match the references."""
 
 from functools import cache, partial
 
@@ -25,7 +27,7 @@ COMPILED_TOLERANCE = 1e-4
 RUNS = {  # id: overrides
     "naive-overlap-accum": ["sync=naive", "sync.overlap=true", "train.accum_steps=2"],
     "naive-no-overlap": ["sync=naive", "sync.overlap=false"],
-    "ring-overlap": ["sync=ring", "sync.overlap=true"],
+    "ring-overlap": ["sync=ring", "sync.overlap=true", "train.trace=true"],  # test_trace's too
     "ring-no-overlap-accum": ["sync=ring", "sync.overlap=false", "train.accum_steps=2"],
     "tree-overlap-accum": ["sync=tree", "sync.overlap=true", "train.accum_steps=2"],
     "tree-no-overlap": ["sync=tree", "sync.overlap=false"],
@@ -53,7 +55,8 @@ def references(small_references):
 
 
 for _run, _overrides in RUNS.items():
-    launch_together(f"sync_train_{_run}", cost=25 if _run.endswith("-compile") else 12)(
+    launch_together(f"sync_train_{_run}", cost=25 if _run.endswith("-compile") else 12,
+                    used_by=("test_sync_train",) + ("test_trace",) * ("train.trace=true" in _overrides))(
         partial(_launch, overrides=_overrides))
 
 

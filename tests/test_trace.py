@@ -2,7 +2,9 @@
 summary.json's overlap block. Two real ranks over gloo: our ring with overlap and small buckets
 (several per step), and torch's DDP through its comm hook; the overlap block is recomputed from
 trace.json and checked against the step breakdown, and the order of events against what the
-sync promises."""
+sync promises. The ring's run is test_sync_train.py's ring-overlap one, traced there (helpers.SMALL:
+2 ranks x 16, 3 steps, no timing warm-up, all traced; 2 MB buckets, 9 per step), which saves a
+launch; DDP's is launched here."""
 
 import json
 import os
@@ -12,19 +14,24 @@ import pytest
 from ddp_lab.trace import overlap
 from helpers import check, launch_together, summary
 from reliab_helpers import NO_DROPOUT, launch
+import test_sync_train  # noqa: F401  declares the traced ring run, sync_train_ring-overlap
 
 # 2 ranks x 8 samples, 6 steps; the timing warm-up is 1, so steps 2..6 are timed, all traced.
 TRACED = NO_DROPOUT + ["train.max_steps=6", "train.timing_warmup=1", "train.trace=true",
                        "train.trace_steps=5", "sync.bucket_mb=4"]
-SYNCS = {"ring": ["sync=ring"], "ddp": ["sync=ddp"]}
-for _name, _args in SYNCS.items():
-    launch_together(f"trace_{_name}", 25)(
-        lambda run_dir, a=_args: launch(TRACED + a + [f"hydra.run.dir={run_dir}"], timeout=240))
+
+
+@launch_together("trace_ddp", 25)
+def _traced_ddp(run_dir):
+    check(launch(TRACED + ["sync=ddp", f"hydra.run.dir={run_dir}"], timeout=240))
+
+
+# sync -> (the launch that traced it, its traced steps: every timed one)
+SYNCS = {"ring": ("sync_train_ring-overlap", {1, 2, 3}), "ddp": ("trace_ddp", {2, 3, 4, 5, 6})}
 
 
 def traced(together, name):
-    proc, run = together[f"trace_{name}"].result()
-    check(proc)
+    _, run = together[SYNCS[name][0]].result()
     with open(os.path.join(run, "trace.json")) as f:
         events = json.load(f)["traceEvents"]
     return summary(run), events, run
@@ -43,7 +50,7 @@ def test_every_rank_has_every_bucket_in_every_traced_step(together, name):
     s, events, run = traced(together, name)
     steps = by_rank_and_step(events)
     assert {rank for rank, _ in steps} == {0, 1}
-    assert {step for _, step in steps} == {2, 3, 4, 5, 6} == set(s["overlap"]["steps"])
+    assert {step for _, step in steps} == SYNCS[name][1] == set(s["overlap"]["steps"])
     names = {e["name"] for e in events if e["ph"] == "M"}
     assert {"process_name", "thread_name"} <= names
     for (rank, step), evs in steps.items():
