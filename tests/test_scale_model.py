@@ -222,3 +222,23 @@ def test_a_sweep_without_n1_still_plots(tmp_path):
         r["efficiency"] = r["pred_efficiency"] = float("nan")
     outputs.plot(rows, str(tmp_path / "scaling.png"))
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_phase_legend_names_phases_the_first_point_lacks():
+    """N=1 has no exposed communication; its bar at N=2 must still be named in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ddp_lab.scale import outputs
+
+    none = {"backward": 100.0, "exposed_comm": 0.0}
+    one = _row("n1-ring", 1, none, none)
+    two = _row("n2-ring", 2, {"backward": 100.0, "exposed_comm": 150.0},
+               {"backward": 100.0, "exposed_comm": 50.0})
+    fig, ax = plt.subplots()
+    outputs._plot_phases(ax, [one, two])
+    names = [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+    assert "exposed_comm" in names and len(names) == len(set(names))

@@ -142,15 +142,17 @@ PHASE_COLORS = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:cyan
 def _plot_phases(ax, ok: list[dict]) -> None:
     """Stacked bars per point: measured (M) and predicted (P) step, by phase (ms)."""
     ok = sorted(ok, key=lambda r: (series_of(r), r["world_size"]))
-    xs, labels = [], []
+    xs, labels, named = [], [], set()
     for i, r in enumerate(ok):
         for j, (kind, prefix) in enumerate((("M", ""), ("P", "pred_"))):
             x, bottom = 3 * i + j, 0.0
             for ph in PHASES:
                 v = r.get(f"{prefix}{ph}_ms", float("nan"))
                 if v == v and v > 0:
+                    # Name each phase at its first bar: N=1 points have no exposed_comm bar.
                     ax.bar(x, v, bottom=bottom, color=PHASE_COLORS[ph], width=0.9,
-                           label=ph if i == 0 and j == 0 else None)
+                           label=None if ph in named else ph)
+                    named.add(ph)
                     bottom += v
             xs.append(x)
             labels.append(f"{r['point']} {kind}" if j == 0 else kind)
