@@ -130,7 +130,8 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: end of each epoch and at the end
     keep_every: int = 0  # also keep checkpoint_step<N>.pt every this many steps; 0: never
     # fp32/bf16 inf/NaN loss or grads: skip the step on every rank | stop | off (no per-step
-    # check: its read pass costs ~3.5% of a graphed AlexNet-CIFAR step; checkpoints still refuse NaN)
+    # check, whose read pass shows on a graphed AlexNet-CIFAR step: docs/results/h200-loop-vs-bare;
+    # checkpoints still refuse NaN)
     nonfinite: str = "skip"
     consistency_every: int = 100  # steps between cross-rank parameter checksums; 0: never
     # Record a timeline of train.trace_steps consecutive steps after the timing warm-up on every

@@ -167,3 +167,21 @@ def test_simulation_shows_what_the_issue_asks():
     assert r["img_per_s"] == pytest.approx(64 * 256 / (r["step_ms"] / 1e3))
     assert r["efficiency"] == pytest.approx(r["compute_ms"] / r["step_ms"])
     assert not math.isnan(r["exposed_comm_ms"])
+
+
+def test_simulation_band_brackets_the_assumed_interference():
+    """Each simulated efficiency comes with the band's ends: no slowdown (the most) and
+    sim.interference_band[1] on both sides (the least), the assumption in between; where
+    nothing overlaps (one bucket, after backward) the three agree."""
+    from ddp_lab.scale.config import SimConfig
+    from ddp_lab.scale.simulate import simulate_with_band
+
+    sim = SimConfig(world_sizes=[8, 64], grad_dtypes=["fp32"])
+    times = {"alexnet": 256 / 12000}
+    rows = simulate_with_band(sim, times, [net.PRESETS["ib100"]], [25.0, 0.0],
+                              {"alexnet": "assumed"})
+    assert rows and all(r["efficiency_lo"] <= r["efficiency"] <= r["efficiency_hi"] for r in rows)
+    assert any(r["efficiency_hi"] - r["efficiency_lo"] > 0.01
+               for r in rows if r["bucket_mb"] == 25.0)
+    assert all(r["efficiency_lo"] == pytest.approx(r["efficiency_hi"])
+               for r in rows if r["bucket_mb"] == 0.0)
