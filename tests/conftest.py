@@ -15,14 +15,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A test that reads a launch of helpers.TOGETHER (through `together`, directly or through another
 # fixture) or times one alone (`quiet_machine`) waits on real launched runs: it is slow. Tests that
 # launch in their own body carry @pytest.mark.slow themselves.
-LAUNCHING_FIXTURES = {"together", "quiet_machine"}
+LAUNCHING_FIXTURES = {"together", "quiet_machine", "scale_sweep"}
 
 
 def _group(item) -> int:
     """0: needs no launch of TOGETHER (runs while they run); 1: reads one; 2: times a launch of
     its own and needs the machine to itself."""
     names = set(getattr(item, "fixturenames", ()))
-    return 2 if "quiet_machine" in names else 1 if "together" in names else 0
+    return 2 if names & {"quiet_machine", "scale_sweep"} else 1 if "together" in names else 0
 
 
 def pytest_collection_modifyitems(config, items):
@@ -88,6 +88,22 @@ def quiet_machine(launches):
     """For a fixture that times its own launch: returns once every background launch has ended,
     so nothing else runs beside it (its tests run last)."""
     wait(launches.values())
+
+
+@pytest.fixture(scope="session")
+def scale_sweep(tmp_path_factory, quiet_machine):
+    """`python -m ddp_lab.scale` over world sizes 1 and 2 with DDP and ring, nothing else running
+    (its timings are checked): test_scale.py reads its outputs, test_interference.py the
+    interference probes it ran at N=2 (n2-ddp.json: DDP's buckets, n2-ring.json: ours). Returns
+    (its directory, the finished process)."""
+    from helpers import SCALE_SWEPT, SCALE_TINY, check, scale
+
+    out = tmp_path_factory.mktemp("sweep")
+    proc = scale(SCALE_TINY + ["nproc=[1,2]", f"syncs=[{','.join(SCALE_SWEPT)}]", "simulate=false",
+                               "predict.sizes_kb=[4,64,1024,4096]", "predict.probe_rounds=2",
+                               f"hydra.run.dir={out}"], timeout=900)
+    check(proc)
+    return out, proc
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,15 @@ SMALL = FAST + ["model.fc_width=512", "data=synthetic", "data.num_samples=512",
                 "data.val_samples=64", "model.default_classes=10", "train.max_steps=3",
                 "optim.warmup_steps=0", "train.log_every=2", "train.resume=never"]
 SMALL_BUCKETS = ["sync.bucket_mb=2"]
+# `python -m ddp_lab.scale` at a tiny size: conftest.py's `scale_sweep` and test_scale.py's other
+# sweeps.
+SCALE_TINY = ["model.fc_width=512", "data.num_samples=512", "model.default_classes=10",
+              "train.batch_size=8", "train.max_steps=6", "train.timing_warmup=2", "model.dropout=0",
+              "repeats=1"]  # (the sweep's own: one pass, even on a busy machine)
+# DDP and one of our syncs, end to end (each point is a torchrun job, ~25 s on a 2-core VM). The
+# bytes naive and tree send are checked exactly below this level: tests/test_comm.py (per
+# algorithm and rank), tests/test_sync.py (per step), tests/test_cost_network.py (the model).
+SCALE_SWEPT = ["ddp", "ring"]
 
 
 def compose_config(overrides: list[str] = (), config_name: str = "config"):
@@ -93,6 +102,10 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, extra_env=No
 def python_module(args: list[str], module: str = "ddp_lab.train", timeout: float = 240,
                   extra_env=None):
     return run_cmd([sys.executable, "-m", module, *args], timeout, extra_env)
+
+
+def scale(args, timeout=420):
+    return python_module(args, module="ddp_lab.scale", timeout=timeout)
 
 
 def run_together(calls: dict, workers: int = 2) -> dict[object, Future]:

@@ -8,22 +8,9 @@ import math
 import os
 import pytest
 
-from helpers import CONF_DIR, check, launch_together, python_module
+from helpers import CONF_DIR, SCALE_SWEPT, SCALE_TINY, check, launch_together, scale
 
 from ddp_lab.scale.predict import PHASES
-
-TINY = ["model.fc_width=512", "data.num_samples=512", "model.default_classes=10",
-        "train.batch_size=8", "train.max_steps=6", "train.timing_warmup=2", "model.dropout=0",
-        "repeats=1"]  # (the sweep's own: one pass, even on a busy machine)
-# DDP and one of our syncs, end to end (each point is a torchrun job, ~25 s on a 2-core VM). The
-# bytes naive and tree send are checked exactly below this level: tests/test_comm.py (per
-# algorithm and rank), tests/test_sync.py (per step), tests/test_cost_network.py (the model).
-SWEPT = ["ddp", "ring"]
-
-
-def scale(args, timeout=420):
-    return python_module(args, module="ddp_lab.scale", timeout=timeout)
-
 
 def read_csv(path):
     with open(path, newline="") as f:
@@ -32,18 +19,6 @@ def read_csv(path):
 
 def num(x):
     return float(x) if x not in ("", None) else math.nan
-
-
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory, quiet_machine):
-    """World sizes 1 and 2 with DDP and ring, nothing else running (its timings are checked)."""
-    out = tmp_path_factory.mktemp("sweep")
-    syncs = ",".join(SWEPT)
-    proc = scale(TINY + [f"nproc=[1,2]", f"syncs=[{syncs}]", "simulate=false",
-                         "predict.sizes_kb=[4,64,1024,4096]", "predict.probe_rounds=2",
-                         f"hydra.run.dir={out}"], timeout=900)
-    check(proc)
-    return out, proc
 
 
 # The other launches of this module (a failing sweep, a point past its timeout, a bad override,
@@ -59,12 +34,12 @@ EMIT = {"torchrun": ["NNODES=2 NPROC=8", "scripts/multinode.sh", "NNODES=4"],
 
 @launch_together("scale_failing", cost=35)
 def _failing_points(run_dir):
-    return scale(TINY + FAILING + [f"hydra.run.dir={run_dir}"])
+    return scale(SCALE_TINY + FAILING + [f"hydra.run.dir={run_dir}"])
 
 
 @launch_together("scale_timeout", cost=8)
 def _point_past_its_timeout(run_dir):
-    return scale(TINY + ["nproc=[1]", "syncs=[ddp]", "point_timeout_s=2", "simulate=false",
+    return scale(SCALE_TINY + ["nproc=[1]", "syncs=[ddp]", "point_timeout_s=2", "simulate=false",
                          f"hydra.run.dir={run_dir}"], timeout=120)
 
 
@@ -89,12 +64,12 @@ def _simulation(run_dir):
                  timeout=180)
 
 
-def test_sweep_writes_consistent_csv(sweep):
-    out, proc = sweep
+def test_sweep_writes_consistent_csv(scale_sweep):
+    out, proc = scale_sweep
     rows = read_csv(out / "scaling.csv")
     assert {r["status"] for r in rows} == {"ok"}, [(r["point"], r["error"]) for r in rows]
     assert {(r["sync"], int(r["world_size"])) for r in rows} == {
-        (s, n) for s in SWEPT for n in (1, 2)}
+        (s, n) for s in SCALE_SWEPT for n in (1, 2)}
     for r in rows:
         n = int(r["world_size"])
         summary = json.load(open(out / "points" / r["point"] / "summary.json"))
@@ -122,12 +97,12 @@ def test_sweep_writes_consistent_csv(sweep):
     assert "[1/" in proc.stdout and "img/s" in proc.stdout  # a progress line per point
 
 
-def test_tensorboard_scalars_have_world_size_as_step(sweep):
+def test_tensorboard_scalars_have_world_size_as_step(scale_sweep):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out, _ = sweep
+    out, _ = scale_sweep
     rows = {(r["sync"], int(r["world_size"])): r for r in read_csv(out / "scaling.csv")}
-    for sync in SWEPT:
+    for sync in SCALE_SWEPT:
         acc = EventAccumulator(str(out / "tensorboard" / sync))
         acc.Reload()
         assert {"scaling/efficiency", "scaling/img_per_s"} <= set(acc.Tags()["scalars"])
@@ -139,8 +114,8 @@ def test_tensorboard_scalars_have_world_size_as_step(sweep):
             assert thr[n] == pytest.approx(num(rows[(sync, n)]["img_per_s"]), rel=1e-5)
 
 
-def test_plot_report_and_manifest(sweep):
-    out, _ = sweep
+def test_plot_report_and_manifest(scale_sweep):
+    out, _ = scale_sweep
     with open(out / "scaling.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     report = open(out / "report.md").read()
@@ -151,13 +126,13 @@ def test_plot_report_and_manifest(sweep):
         assert key in m["provenance"]
     assert "config" in m and "nvidia_smi_topo" in m
     assert m["config"]["nproc"] == [1, 2] and m["provenance"]["cpu_count"] == os.cpu_count()
-    assert m["point_overrides"][:2] == TINY[:2]
+    assert m["point_overrides"][:2] == SCALE_TINY[:2]
 
 
-def test_model_predicts_every_point_phase_by_phase(sweep):
+def test_model_predicts_every_point_phase_by_phase(scale_sweep):
     """scaling.csv keeps its columns and has each phase measured and predicted; the prediction
     at N=1 is the measurement it starts from; report.md has the table, phase by phase."""
-    out, _ = sweep
+    out, _ = scale_sweep
     fits = read_csv(out / "allreduce.csv")
     assert {r["algo"] for r in fits} >= {"native"} and {r["world_size"] for r in fits} == {"2"}
     rows = read_csv(out / "scaling.csv")
@@ -186,11 +161,11 @@ def test_model_predicts_every_point_phase_by_phase(sweep):
     assert "## All-reduce fits" in report and "r2_one_line" in report
 
 
-def test_the_models_buckets_are_the_syncs(sweep):
+def test_the_models_buckets_are_the_syncs(scale_sweep):
     """The bucket layout the model (and the probe) assume is the one the sync built."""
     from ddp_lab.cost import network as net
 
-    out, _ = sweep
+    out, _ = scale_sweep
     summary = json.load(open(out / "points" / "n2-ring" / "summary.json"))
     probe = json.load(open(out / "interference" / "n2-ring.json"))
     numels = probe["param_numels"][::-1]
@@ -198,11 +173,11 @@ def test_the_models_buckets_are_the_syncs(sweep):
     assert probe["derived"]["ring"]["bucket_bytes"] == summary["comm"]["bucket_bytes"]
 
 
-@pytest.mark.parametrize("sync", SWEPT)
-def test_predicted_bytes_equal_the_bytes_the_sync_sends(sweep, sync):
+@pytest.mark.parametrize("sync", SCALE_SWEPT)
+def test_predicted_bytes_equal_the_bytes_the_sync_sends(scale_sweep, sync):
     """The cost model's bytes per step (rank 0, who sends the most under naive and tree) against
     the bytes the sync reports it sent (comm_bytes_per_step in summary.json)."""
-    out, _ = sweep
+    out, _ = scale_sweep
     row = next(r for r in read_csv(out / "scaling.csv")
                if r["sync"] == sync and r["world_size"] == "2")
     sent = num(row["comm_bytes_per_step"])
