@@ -26,9 +26,9 @@ declare -A SMOKE_ARGS=(
   [memory]="device=cpu cpu_sizes_mb=[1,8] iters=2"
   [vector_add]="device=cpu max_exp=5 iters=2"
   [memory_fit]="device=cpu measure_model=alexnet_cifar measure_batch=4 measure_steps=1 measure_precisions=[fp32]"
-  [train_cifar]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16]"
-  [train_compile]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
-  [train_stem]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[bf16] compile=[false]"
+  [train_cifar]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[fp32] channels_last=[false]"
+  [train_compile]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[fp32] channels_last=[false] compile=[false]"
+  [train_stem]="device=cpu cpu_batches=[8] cpu_steps=2 cpu_warmup=1 cpu_precisions=[fp32] channels_last=[false] compile=[false]"
 )
 for n in ${ONLY:-}; do
   [ -n "${SMOKE_ARGS[$n]+set}" ] || { echo "ONLY: no step named '$n' (steps: ${!SMOKE_ARGS[*]})"; exit 2; }

@@ -23,7 +23,7 @@ def _this_tree_a_missing_tree_and_a_variant(out):
     return run_cmd(["bash", "-c", cmd], 300, dict(
         PYTHON=sys.executable, OUT_DIR=".", RUNS_DIR="runs", ROUNDS="1",
         REPEATS="1", HOST_COSTS="0",
-        EXTRA="cpu_batches=[4] cpu_steps=1 cpu_warmup=1 cpu_precisions=[bf16] "
+        EXTRA="cpu_batches=[4] cpu_steps=1 cpu_warmup=1 cpu_precisions=[fp32] "
               "channels_last=[false] predict_memory=false",
         VARIANTS="train.nonfinite=off train.consistency_every=3;"))  # (an empty variant: no row)
 
