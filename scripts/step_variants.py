@@ -207,7 +207,7 @@ def main():
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     if a.smoke:
-        a.net, a.batch, a.steps, a.warmup, a.rounds = "alexnet_cifar", 8, 2, 1, 2
+        a.net, a.batch, a.steps, a.warmup, a.rounds = "alexnet_cifar", 2, 2, 1, 2
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             store=dist.HashStore())  # one process: no rendezvous, no port
     bf16, fp16 = torch.bfloat16, torch.float16
