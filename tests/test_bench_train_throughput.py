@@ -28,13 +28,15 @@ GEMM_ROWS = [{"device": "cpu", "dtype": "fp32", "n": 1024, "tflops": 2.0, "ok": 
 
 @launch_together("bench_train_throughput_digits", cost=25)
 def _digits_case(run_dir):
-    # batch 256: an epoch of digits is 5 steps, so the 7 steps cross one
+    # batch 256: an epoch of digits is 5 steps, so the 7 steps cross one; a classifier 512 wide
+    # (helpers.SMALL's) in both loops, as this is not a measurement
     run_dir.mkdir(parents=True, exist_ok=True)
     gemm = run_dir / "gemm.jsonl"
     gemm.write_text("".join(json.dumps(r) + "\n" for r in GEMM_ROWS))
     return python_module(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[256]", "cpu_steps=6",
                           "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
-                          "predict_memory=false", "ddp_overrides=['data=digits']",
+                          "predict_memory=false",
+                          "ddp_overrides=['data=digits','model.fc_width=512']",
                           f"gemm_results={gemm}", f"hydra.run.dir={run_dir}"],
                          module="ddp_lab.bench.train_throughput", timeout=240)
 
