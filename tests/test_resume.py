@@ -5,6 +5,7 @@ always be loaded with weights_only=True and never runs code."""
 
 import os
 import random
+import shutil
 from functools import partial
 
 import numpy as np
@@ -34,15 +35,24 @@ def _stop(run, sync):
 
 def _stop_then_again(sync, run):
     """`_stop`, then the same command without train.stop_at_step in its run dir: (what the stop
-    left, the second launch's result)."""
-    return _stop(run, sync), launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + AGAIN)
+    left, the second launch's result). For ddp the stopped run is first copied for
+    `_damage_then_resume` (test_damaged_...'s start: a stopped ddp run like this one)."""
+    left = _stop(run, sync)
+    if sync == "ddp":
+        shutil.copytree(run, _damaged(run))
+        _damage_then_resume(_damaged(run))
+    return left, launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + AGAIN)
+
+
+def _damaged(run):
+    """Where resume_ddp's launch copies its stopped run to damage it."""
+    return run.parent / f"{run.name}_damaged"
 
 
 def _damage_then_resume(run):
-    """A ddp run stopped at step 4, then damaged: checkpoint.pt with one flipped byte in tensor
-    data (torch.load would accept it), checkpoint_step4.pt truncated, a temporary left by a save
+    """The stopped ddp run, damaged: checkpoint.pt with one flipped byte in tensor data
+    (torch.load would accept it), checkpoint_step4.pt truncated, a temporary left by a save
     killed midway; then the same command again."""
-    _stop(run, "ddp")
     latest, kept4 = os.path.join(run, "checkpoint.pt"), os.path.join(run, "checkpoint_step4.pt")
     with open(latest, "r+b") as f:
         f.seek(os.path.getsize(latest) // 2)
@@ -56,12 +66,11 @@ def _damage_then_resume(run):
     with open(stale, "wb") as f:
         f.write(b"half a checkpoint")
     check(launch(RESUME + ["sync=ddp", f"hydra.run.dir={run}", "train.checkpoint_every=2"]))
-    return run
 
 
 for _sync in SYNC_NAMES:
-    launch_together(f"resume_{_sync}", cost=12)(partial(_stop_then_again, _sync))
-launch_together("resume_damaged", cost=12)(_damage_then_resume)
+    launch_together(f"resume_{_sync}", cost=12 if _sync != "ddp" else 24)(
+        partial(_stop_then_again, _sync))
 
 
 @pytest.mark.timeout(300)
@@ -92,7 +101,7 @@ def test_damaged_checkpoints_are_refused_and_the_previous_good_one_used(together
     checkpoint_step4.pt truncated, a temporary left by a save killed midway: the run resumes from
     checkpoint_step2.pt (mid-epoch 0) and still ends equal to the uninterrupted run."""
     ref = together["reference_ddp"].result()[0]
-    run = together["resume_damaged"].result()[0]
+    run = _damaged(together["resume_ddp"].result()[1])
     latest, kept4 = os.path.join(run, "checkpoint.pt"), os.path.join(run, "checkpoint_step4.pt")
     log = train_log(run)
     assert f"refusing checkpoint {latest} is corrupted" in log
