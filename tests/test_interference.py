@@ -16,7 +16,11 @@ def probes(scale_sweep):
     """Algorithm -> (the probe's JSON, its path)."""
     out, _ = scale_sweep
     paths = {algo: str(out / "interference" / f"{point}.json") for algo, point in PROBES.items()}
-    return {algo: (json.load(open(path)), path) for algo, path in paths.items()}
+    def load(path):
+        with open(path) as f:
+            return json.load(f)
+
+    return {algo: (load(path), path) for algo, path in paths.items()}
 
 
 def test_probe_measures_slowdowns_with_its_samples(probes):
@@ -39,6 +43,8 @@ def test_probe_measures_slowdowns_with_its_samples(probes):
         ready = d["grad_ready"]
         assert len(ready) == len(result["param_numels"]) and all(0 <= f <= 1.05 for f in ready)
         assert ready[-1] < ready[0]
+    # One model in both probes, so both syncs' buckets hold the same bytes.
+    assert probes["native"][0]["param_numels"] == probes["ring"][0]["param_numels"]
     native = probes["native"][0]["derived"]["native"]
     assert native["bucket_bytes"][0] > 1 << 20  # DDP: its 1 MiB first bucket filled past it
 

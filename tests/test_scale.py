@@ -40,7 +40,7 @@ def _failing_points(run_dir):
 @launch_together("scale_timeout", cost=8)
 def _point_past_its_timeout(run_dir):
     return scale(SCALE_TINY + ["nproc=[1]", "syncs=[ddp]", "point_timeout_s=2", "simulate=false",
-                         f"hydra.run.dir={run_dir}"], timeout=120)
+                               f"hydra.run.dir={run_dir}"], timeout=120)
 
 
 @launch_together("scale_bad_override", cost=4)
