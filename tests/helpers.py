@@ -1,5 +1,6 @@
-"""Shared test helpers: compose configs without launching, and launch real torchrun jobs with a
-timeout so a distributed bug fails the test instead of hanging CI."""
+"""Shared test helpers: compose configs without launching, and launch real jobs (torchrun, its
+ranks forked from a process with torch imported, python -m) with a timeout so a distributed bug
+fails the test instead of hanging CI."""
 
 from __future__ import annotations
 
@@ -99,6 +100,15 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, extra_env=No
                    timeout, extra_env)
 
 
+def ranks(args: list[str], nproc: int = 2, timeout: float = 240, extra_env=None,
+          module: str = "ddp_lab.train"):
+    """What `torchrun(args, nproc, ...)` computes, with the ranks forked from a process that has
+    torch imported already (spawn_helpers.run_module): for the tests of what a run computes."""
+    from spawn_helpers import run_module
+
+    return run_module(module, args, nproc, env(**(extra_env or {})), timeout, REPO)
+
+
 def python_module(args: list[str], module: str = "ddp_lab.train", timeout: float = 240,
                   extra_env=None):
     return run_cmd([sys.executable, "-m", module, *args], timeout, extra_env)
@@ -141,7 +151,7 @@ def launch_together(name: str, cost: float, used_by: tuple[str, ...] = ()):
 
 
 def _small_reference(overrides: list[str], nproc: int, run_dir):
-    check(torchrun(SMALL + overrides + [f"hydra.run.dir={run_dir}"], nproc=nproc, timeout=240))
+    check(ranks(SMALL + overrides + [f"hydra.run.dir={run_dir}"], nproc=nproc, timeout=240))
     return run_dir
 
 

@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 
-from helpers import FAST, REPO, check, launch_together, python_module, torchrun
+from helpers import FAST, REPO, check, launch_together, python_module, ranks, torchrun
 
 # 2 ranks x 8 = 16 samples per step, 48 samples: 3 steps per epoch, 6 steps in 2 epochs, so a stop
 # at step 4 (or 2) is mid-epoch. Random images (see test_train.py on why not digits). Dropout on:
@@ -32,10 +32,13 @@ SYNC_NAMES = ["ddp"] + ["ring"] * HAVE_RING  # the SYNCS that run here (for fixt
 
 def launch(args: list[str], nproc: int = 2, timeout: float = 180, launcher=None,
            module: str = "ddp_lab.train", extra_env=None):
-    """torchrun (or, with nproc=0, plain python) -m module args; on timeout the whole group is
-    killed (helpers.run_cmd)."""
-    if nproc:
+    """`nproc` ranks of `module` as torchrun starts them (helpers.ranks); with `launcher`
+    (torchrun's arguments), torchrun itself; with nproc=0, plain python. On timeout everything
+    the launch started is killed."""
+    if launcher:
         return torchrun(args, nproc, timeout, extra_env, launcher, module)
+    if nproc:
+        return ranks(args, nproc, timeout, extra_env, module)
     return python_module(args, module, timeout, extra_env)
 
 

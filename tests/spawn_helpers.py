@@ -1,22 +1,39 @@
-"""Process groups in fresh processes for distributed unit tests (no torchrun).
+"""Processes forked from one forkserver that imported torch, Hydra and ddp_lab once, so a test pays
+for those imports once per session instead of once per process:
 
-Kept apart from helpers.py on purpose: every child process unpickles `_spawn_entry` and so imports
-this module, and helpers.py imports Hydra and the whole training stack (~2 s per process on the
-test machine); this module imports only what a child needs."""
+    spawn(fn, world_size, ...)          # a gloo process group running fn: distributed unit tests
+    run_module(module, args, nproc=2)   # `torchrun -m module args` as torchrun would start it
+
+Kept apart from helpers.py on purpose: every child unpickles its entry function and so imports
+this module, which imports only what a child needs."""
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
+import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
+from multiprocessing.connection import wait
+from types import SimpleNamespace
 
-# torch._dynamo: DDP imports it on first construction, 2-3 s per process otherwise.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddp_lab.comm", "ddp_lab.sync"]
+# What the forkserver imports before it forks anything. torch._dynamo: torch.optim and DDP import
+# it on first use; torch.utils.tensorboard: every training run's logger.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.utils.tensorboard",
+           "ddp_lab.comm", "ddp_lab.sync", "ddp_lab.train"]
+
+
+def _forkserver():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # (only the first call, before the server starts, counts)
+    return ctx
 
 
 def free_port() -> int:
@@ -34,8 +51,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 120, pg_timeout_s: float 
     Processes fork from a forkserver that imported torch once, so a group starts in well under a
     second. A rank that raises fails the caller with that rank's traceback; a group still running
     after `timeout` seconds is killed and fails. `fn` must be a module-level (picklable) function."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = _forkserver()
     port, results = free_port(), ctx.Queue()
     procs = [ctx.Process(target=_spawn_entry, daemon=True,
                          args=(fn, rank, world_size, port, pg_timeout_s, final_barrier, backend, args,
@@ -98,3 +114,91 @@ def _spawn_entry(fn, rank, world_size, port, pg_timeout_s, final_barrier, backen
     results.close()
     results.join_thread()
     os._exit(0)  # skip process-group teardown: a test may have killed a peer on purpose
+
+
+def run_module(module: str, args: list[str], nproc: int, env: dict, timeout: float, cwd: str):
+    """`torchrun --standalone --nproc_per_node=nproc -m module args`, run as torchrun runs it but
+    without its processes: each rank forks from the forkserver, takes the variables torchrun gives
+    its workers (rank, world size, rendezvous address; rank 0 hosts the store) and `env`, and runs
+    `module.main()` with `args` as its command line. For the tests of what a run computes; the
+    tests of the launcher itself (restarts, a hung or failed rank, the README's command) run
+    torchrun. Variables read when torch is imported (TORCH_LOGS, say) keep the test process's values.
+
+    A rank that fails stops the others, as torchrun's agent does; a job still running after
+    `timeout` seconds is killed and fails the test with its output's tails. Returns, as
+    helpers.run_cmd does, .returncode (0, or the first failed rank's), .stdout and .stderr (rank
+    after rank) and .elapsed."""
+    ctx, port, t0 = _forkserver(), free_port(), time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ranks.") as logs:
+        files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err"))
+                 for r in range(nproc)]
+        for path in sum(files, ()):
+            open(path, "w").close()  # there to read even if a rank dies before it writes
+        procs = [ctx.Process(target=_module_entry, args=(
+                    module, args, {**env, **_torchrun_env(rank, nproc, port)}, *files[rank], cwd))
+                 for rank in range(nproc)]
+        for p in procs:
+            p.start()
+        try:
+            returncode = _wait_ranks(procs, t0 + timeout)
+        finally:
+            for p in procs:
+                _kill_group(p)
+        stdout, stderr = ("".join(open(f[i]).read() for f in files) for i in (0, 1))
+    if returncode is None:
+        raise AssertionError(f"timed out after {timeout} s: {module} {args}\n{stdout[-3000:]}\n"
+                             f"{stderr[-6000:]}")
+    return SimpleNamespace(returncode=returncode, stdout=stdout, stderr=stderr,
+                           elapsed=time.monotonic() - t0)
+
+
+def _torchrun_env(rank: int, nproc: int, port: int) -> dict:
+    """What torchrun --standalone sets for its worker `rank` on one node (less its agent's store)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0"}
+
+
+def _wait_ranks(procs, deadline: float) -> int | None:
+    """The job's exit code once every rank has ended: 0, or the first failed rank's (the others
+    are then terminated, as torchrun's agent does). None if ranks still run at `deadline`."""
+    failed, pending = None, list(procs)
+    while pending:
+        if not wait([p.sentinel for p in pending], timeout=max(0.0, deadline - time.monotonic())):
+            return None
+        for p in [p for p in pending if not p.is_alive()]:
+            pending.remove(p)
+            if p.exitcode != 0 and failed is None:
+                failed = p.exitcode
+                for q in pending:
+                    q.terminate()
+    return failed or 0
+
+
+def _kill_group(p) -> None:
+    """Kill what is left of rank `p`: itself and its process group (a DataLoader's workers,
+    Inductor's compile workers)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if p.is_alive():
+        p.kill()
+    p.join()
+
+
+def _module_entry(module, args, env, out_path, err_path, cwd):
+    os.setsid()  # a process group of its own, for _kill_group
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY)
+        os.dup2(f, fd)
+        os.close(f)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # what a killed rank printed still reaches the test
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    main = importlib.import_module(module)
+    sys.argv = [main.__file__, *args]  # as `python -m module args` has it
+    main.main()

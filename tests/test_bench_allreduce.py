@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from helpers import check, compose_config, launch_together, python_module, torchrun
+from helpers import check, compose_config, launch_together, python_module, ranks
 
 COLUMNS = ["algo", "backend", "world_size", "dtype", "bytes", "time_us", "algbw_GBps",
            "busbw_GBps", "wrong"]
@@ -14,8 +14,8 @@ COLUMNS = ["algo", "backend", "world_size", "dtype", "bytes", "time_us", "algbw_
 
 @launch_together("bench_allreduce", cost=12)
 def _two_gloo_ranks(run_dir):
-    return torchrun(["max_bytes=32768", "factor=8", "iters=2", "warmup=1",
-                     f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.allreduce", timeout=180)
+    return ranks(["max_bytes=32768", "factor=8", "iters=2", "warmup=1",
+                  f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.allreduce", timeout=180)
 
 
 @launch_together("bench_allreduce_bad_option", cost=4)

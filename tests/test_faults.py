@@ -22,7 +22,10 @@ from reliab_helpers import (NO_DROPOUT, RESUME, SYNC_NAMES, SYNCS, assert_same_t
 # (reliab_helpers.make_reference): they run with the other launches of helpers.TOGETHER
 # in the background (conftest.py's `launches`); a hung run waits mostly idle for its timeout.
 KILLED = RESUME + ["sync=ddp", "train.checkpoint_every=2", "fault.kill_rank=1", "fault.at_step=5"]
-RESTARTABLE = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+# Every fault runs under torchrun itself (not helpers.ranks): how its agent ends, restarts and
+# reports a failed job is part of what these tests check.
+TORCHRUN = ["--standalone", "--nproc_per_node=2"]
+RESTARTABLE = TORCHRUN + ["--max-restarts=1"]
 HANG_TIMEOUT_S = 10
 HUNG = {sync: NO_DROPOUT + [f"sync={sync}", "train.max_steps=4", f"dist.timeout_s={HANG_TIMEOUT_S}",
                             "fault.hang_rank=1", "fault.at_step=3", "fault.hang_s=150"]
@@ -40,9 +43,9 @@ DIVERGED = NO_DROPOUT + ["sync=ddp", "train.max_steps=4", "train.consistency_eve
                          "train.checkpoint_every=1", "fault.perturb_rank=1", "fault.at_step=2"]
 # name: (overrides, launch timeout, torchrun's arguments, about how many seconds it takes alone)
 FAULTS = {"killed": (KILLED, 240, RESTARTABLE, 60),
-          **{f"hung_{sync}": (HUNG[sync], 150, None, 30) for sync in SYNC_NAMES},
-          "nan_skipped": (NAN_SKIPPED, 180, None, 20), "nan_stop": (NAN_STOP, 180, None, 20),
-          "fp16_inf": (FP16_INF, 180, None, 40), "diverged": (DIVERGED, 180, None, 20)}
+          **{f"hung_{sync}": (HUNG[sync], 150, TORCHRUN, 30) for sync in SYNC_NAMES},
+          "nan_skipped": (NAN_SKIPPED, 180, TORCHRUN, 20), "nan_stop": (NAN_STOP, 180, TORCHRUN, 20),
+          "fp16_inf": (FP16_INF, 180, TORCHRUN, 40), "diverged": (DIVERGED, 180, TORCHRUN, 20)}
 
 
 def _launch_fault(args, timeout, launcher, run_dir):

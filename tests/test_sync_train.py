@@ -14,7 +14,7 @@ from functools import cache, partial
 
 import pytest
 
-from helpers import SMALL, SMALL_BUCKETS, check, final_params, launch_together, max_abs_diff, summary, torchrun
+from helpers import SMALL, SMALL_BUCKETS, check, final_params, launch_together, max_abs_diff, ranks, summary
 
 TOLERANCE = 1e-6
 # Compiled against eager: Inductor's CPU kernels round differently from ATen's (vectorised exp and
@@ -39,9 +39,9 @@ RUNS = {  # id: overrides
 def _launch(run_dir, overrides, nproc=2):
     accum = 2 if "train.accum_steps=2" in overrides else 1
     batch = 32 // nproc // accum
-    check(torchrun(SMALL + SMALL_BUCKETS + overrides + [f"train.batch_size={batch}",
-                                                       f"hydra.run.dir={run_dir}"],
-                   nproc=nproc, timeout=200))
+    check(ranks(SMALL + SMALL_BUCKETS + overrides + [f"train.batch_size={batch}",
+                                                    f"hydra.run.dir={run_dir}"],
+                 nproc=nproc, timeout=200))
     return run_dir
 
 

@@ -69,8 +69,12 @@ def test_outputs_of_a_run(single_process_reference):
     assert all(phases <= set(r) for r in rows if "train/loss" in r)
 
 
-def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_reference, tmp_path):
-    """Two torchrun agents (--nnodes=2, one process each) meeting at a c10d endpoint on localhost."""
+def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_reference,
+                                                          small_references, tmp_path):
+    """Two torchrun agents (--nnodes=2, one process each) meeting at a c10d endpoint on localhost;
+    the same command as the DDP reference, whose ranks forked from the test process
+    (helpers.ranks, as for every test of what a run computes): torchrun's processes must end
+    bitwise where those did."""
     port = free_port()
     run_dir = tmp_path / "two_nodes"
     args = SMALL + SMALL_BUCKETS + ["sync=ddp", "train.batch_size=16", f"hydra.run.dir={run_dir}"]
@@ -85,6 +89,7 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_referen
     assert summary(run_dir)["world_size"] == 2
     diff = max_abs_diff(final_params(single_process_reference), final_params(run_dir))
     assert diff < TOLERANCE, diff
+    assert max_abs_diff(final_params(small_references["ddp"]), final_params(run_dir)) == 0
 
 
 @pytest.mark.slow

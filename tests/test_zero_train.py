@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 
-from helpers import SMALL, SMALL_BUCKETS, check, final_params, launch_together, max_abs_diff, summary, torchrun
+from helpers import SMALL, SMALL_BUCKETS, check, final_params, launch_together, max_abs_diff, ranks, summary
 from reliab_helpers import RESUME, assert_same_training_state, launch, train_log
 
 TOLERANCE = 1e-6
@@ -36,8 +36,8 @@ STOP = ["train.stop_at_step=4", "train.checkpoint_every=2"]
 def _launch(run_dir, overrides):
     batch = [] if any(o.startswith("train.batch_size=") for o in overrides) else [
         "train.batch_size=16"]
-    check(torchrun(SMALL + SMALL_BUCKETS + batch + overrides + [f"hydra.run.dir={run_dir}"], nproc=2,
-                   timeout=240))
+    check(ranks(SMALL + SMALL_BUCKETS + batch + overrides + [f"hydra.run.dir={run_dir}"], nproc=2,
+                 timeout=240))
     return run_dir
 
 
