@@ -5,6 +5,7 @@ own all-reduce (`native`), n2-ring.json ours with the ring."""
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -33,8 +34,15 @@ def test_probe_measures_slowdowns_with_its_samples(probes):
         assert set(first["solo"]) == {"forward", "backward", "guard", "optim"}
         assert len(first[f"{algo}/comm"]) == len(d[algo]["bucket_bytes"])  # per bucket
         assert all(len(b) == 3 and min(b) >= 0 for b in first[f"{algo}/comm"])
-        # Two ranks on two shared cores: compute and communication slow each other down.
-        assert d[algo]["compute_slowdown"] >= 1 and d[algo]["comm_slowdown"] >= 1, d[algo]
+        # The slowdowns as the module defines them, from rank 0's rounds. (Whether they exceed 1
+        # is a measurement, noisy with 2 rounds on a busy host: the model floors them at 1.)
+        rounds = result["samples"][0]
+        med = lambda cond, key: statistics.median(r[cond][key] for r in rounds)
+        comm = lambda cond: statistics.median(sum(map(sum, r[cond])) for r in rounds)
+        assert d[algo]["compute_slowdown"] == pytest.approx(
+            med(f"{algo}/bwd+comm", "backward") / med("all", "backward"))
+        assert d[algo]["comm_slowdown"] == pytest.approx(
+            comm(f"{algo}/comm+bwd") / comm(f"{algo}/comm"))
         assert d[algo]["local_s_per_byte"] > 0
         assert sum(d[algo]["bucket_bytes"]) == 4 * sum(result["param_numels"])
         assert all(k > 0 for k in d["contention"].values()) and d["skew"]["guard"] >= 0
