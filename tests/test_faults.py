@@ -22,8 +22,9 @@ from reliab_helpers import (NO_DROPOUT, RESUME, SYNC_NAMES, SYNCS, assert_same_t
 # (reliab_helpers.make_reference): they run with the other launches of helpers.TOGETHER
 # in the background (conftest.py's `launches`); a hung run waits mostly idle for its timeout.
 KILLED = RESUME + ["sync=ddp", "train.checkpoint_every=2", "fault.kill_rank=1", "fault.at_step=5"]
-# Every fault runs under torchrun itself (not helpers.ranks): how its agent ends, restarts and
-# reports a failed job is part of what these tests check.
+# A fault that ends or restarts the job runs under torchrun itself (not helpers.ranks): how its
+# agent ends, restarts and reports the job is part of what these tests check. The non-finite steps
+# that training skips end normally: they run as every other test of what a run computes.
 TORCHRUN = ["--standalone", "--nproc_per_node=2"]
 RESTARTABLE = TORCHRUN + ["--max-restarts=1"]
 HANG_TIMEOUT_S = 10
@@ -41,11 +42,12 @@ FP16_INF = [a for a in NO_DROPOUT if not a.startswith("train.batch_size=")] + [
     "precision.init_scale=1024", "fault.nan_at_step=2", "fault.nan_rank=1", "fault.nan_value=inf"]
 DIVERGED = NO_DROPOUT + ["sync=ddp", "train.max_steps=4", "train.consistency_every=1",
                          "train.checkpoint_every=1", "fault.perturb_rank=1", "fault.at_step=2"]
-# name: (overrides, launch timeout, torchrun's arguments, about how many seconds it takes alone)
+# name: (overrides, launch timeout, torchrun's arguments or None for helpers.ranks, about how
+# many seconds it takes alone)
 FAULTS = {"killed": (KILLED, 240, RESTARTABLE, 60),
           **{f"hung_{sync}": (HUNG[sync], 150, TORCHRUN, 30) for sync in SYNC_NAMES},
-          "nan_skipped": (NAN_SKIPPED, 180, TORCHRUN, 20), "nan_stop": (NAN_STOP, 180, TORCHRUN, 20),
-          "fp16_inf": (FP16_INF, 180, TORCHRUN, 40), "diverged": (DIVERGED, 180, TORCHRUN, 20)}
+          "nan_skipped": (NAN_SKIPPED, 180, None, 20), "nan_stop": (NAN_STOP, 180, TORCHRUN, 20),
+          "fp16_inf": (FP16_INF, 180, None, 40), "diverged": (DIVERGED, 180, TORCHRUN, 20)}
 
 
 def _launch_fault(args, timeout, launcher, run_dir):
