@@ -102,8 +102,9 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, extra_env=No
 
 def ranks(args: list[str], nproc: int = 2, timeout: float = 240, extra_env=None,
           module: str = "ddp_lab.train"):
-    """What `torchrun(args, nproc, ...)` computes, with the ranks forked from a process that has
-    torch imported already (spawn_helpers.run_module): for the tests of what a run computes."""
+    """What `torchrun(args, nproc, ...)` computes (nproc=0: `python_module(args, module, ...)`),
+    with the ranks forked from a process that has torch imported already
+    (spawn_helpers.run_module): for the tests of what a run computes."""
     from spawn_helpers import run_module
 
     return run_module(module, args, nproc, env(**(extra_env or {})), timeout, REPO)
@@ -115,7 +116,7 @@ def python_module(args: list[str], module: str = "ddp_lab.train", timeout: float
 
 
 def scale(args, timeout=420):
-    return python_module(args, module="ddp_lab.scale", timeout=timeout)
+    return ranks(args, nproc=0, module="ddp_lab.scale", timeout=timeout)
 
 
 def run_together(calls: dict, workers: int = 2) -> dict[object, Future]:

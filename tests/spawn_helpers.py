@@ -120,9 +120,11 @@ def run_module(module: str, args: list[str], nproc: int, env: dict, timeout: flo
     """`torchrun --standalone --nproc_per_node=nproc -m module args`, run as torchrun runs it but
     without its processes: each rank forks from the forkserver, takes the variables torchrun gives
     its workers (rank, world size, rendezvous address; rank 0 hosts the store) and `env`, and runs
-    `module.main()` with `args` as its command line. For the tests of what a run computes; the
+    `module.main()` with `args` as its command line; nproc=0: one process as `python -m module
+    args` runs it, without torchrun's variables. For the tests of what a run computes; the
     tests of the launcher itself (restarts, a hung or failed rank, the README's command) run
-    torchrun. Variables read when torch is imported (TORCH_LOGS, say) keep the test process's values.
+    torchrun. Variables read when torch is imported (TORCH_LOGS, say) keep the test process's
+    values.
 
     A rank that fails stops the others, as torchrun's agent does; a job still running after
     `timeout` seconds is killed and fails the test with its output's tails. Returns, as
@@ -131,12 +133,12 @@ def run_module(module: str, args: list[str], nproc: int, env: dict, timeout: flo
     ctx, port, t0 = _forkserver(), free_port(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ranks.") as logs:
         files = [(os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err"))
-                 for r in range(nproc)]
+                 for r in range(max(nproc, 1))]
         for path in sum(files, ()):
             open(path, "w").close()  # there to read even if a rank dies before it writes
         procs = [ctx.Process(target=_module_entry, args=(
                     module, args, {**env, **_torchrun_env(rank, nproc, port)}, *files[rank], cwd))
-                 for rank in range(nproc)]
+                 for rank in range(len(files))]
         for p in procs:
             p.start()
         try:
@@ -153,7 +155,10 @@ def run_module(module: str, args: list[str], nproc: int, env: dict, timeout: flo
 
 
 def _torchrun_env(rank: int, nproc: int, port: int) -> dict:
-    """What torchrun --standalone sets for its worker `rank` on one node (less its agent's store)."""
+    """What torchrun --standalone sets for its worker `rank` on one node (less its agent's store);
+    nothing for nproc=0."""
+    if not nproc:
+        return {}
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_RESTART_COUNT": "0",

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from ddp_lab.bench import gemm
-from helpers import bench_rows, launch_together, python_module
+from helpers import bench_rows, launch_together, python_module, ranks
 
 
 @launch_together("bench_gemm", cost=5)
 def _gemm(out):
-    return python_module(["device=cpu", "cpu_sizes=[64,96]", "cpu_dtypes=[fp32,tf32,bf16]",
-                          "numpy_compare=true", "numpy_n=128", "numpy_single_thread_n=64",
-                          "plot=true", f"hydra.run.dir={out}"], module="ddp_lab.bench.gemm",
-                         timeout=120)
+    return ranks(["device=cpu", "cpu_sizes=[64,96]", "cpu_dtypes=[fp32,tf32,bf16]",
+                  "numpy_compare=true", "numpy_n=128", "numpy_single_thread_n=64",
+                  "plot=true", f"hydra.run.dir={out}"], nproc=0, module="ddp_lab.bench.gemm",
+                 timeout=120)
 
 
 def _gemm_cuda(_):

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from helpers import bench_rows, launch_together, python_module
+from helpers import bench_rows, launch_together, ranks
 
 
 @launch_together("bench_memory", cost=5)
 def _host_copy(run_dir):
-    return python_module(["device=cpu", "cpu_sizes_mb=[1,8]", "iters=3", "plot=true",
-                          f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.memory", timeout=120)
+    return ranks(["device=cpu", "cpu_sizes_mb=[1,8]", "iters=3", "plot=true",
+                  f"hydra.run.dir={run_dir}"], nproc=0, module="ddp_lab.bench.memory", timeout=120)
 
 
 def test_cli_host_copy_rows(together):

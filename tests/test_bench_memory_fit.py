@@ -6,12 +6,12 @@ import json
 import pytest
 
 from ddp_lab.bench.memory_fit import fit_rows
-from helpers import bench_rows, check, launch_together, python_module
+from helpers import bench_rows, check, launch_together, ranks
 
 
 def memory_fit(args: list[str], run_dir, timeout: float):
-    return python_module(args + [f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.memory_fit",
-                         timeout=timeout)
+    return ranks(args + [f"hydra.run.dir={run_dir}"], nproc=0, module="ddp_lab.bench.memory_fit",
+                 timeout=timeout)
 
 
 @launch_together("memory_fit_seed_table", cost=4)

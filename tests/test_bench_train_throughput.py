@@ -7,16 +7,16 @@ import os
 import pytest
 
 from ddp_lab.bench.train_throughput import is_tensor_core_kernel, paired_ratios
-from helpers import bench_rows, launch_together, python_module
+from helpers import bench_rows, launch_together, ranks
 
 
 @launch_together("bench_train_throughput", cost=21)
 def _tiny_cpu_case(run_dir):
-    return python_module(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[8]", "cpu_steps=3",
-                          "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
-                          "profile=true", "profile_steps=1", "plot=true",
-                          f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.train_throughput",
-                         timeout=240)
+    return ranks(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[8]", "cpu_steps=3",
+                  "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
+                  "profile=true", "profile_steps=1", "plot=true",
+                  f"hydra.run.dir={run_dir}"], nproc=0, module="ddp_lab.bench.train_throughput",
+                 timeout=240)
 
 
 # GEMM peaks as ddp_lab.bench.gemm writes them: the CPU's best fp32 is 3.0 TFLOP/s
@@ -33,12 +33,12 @@ def _digits_case(run_dir):
     run_dir.mkdir(parents=True, exist_ok=True)
     gemm = run_dir / "gemm.jsonl"
     gemm.write_text("".join(json.dumps(r) + "\n" for r in GEMM_ROWS))
-    return python_module(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[256]", "cpu_steps=6",
-                          "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
-                          "predict_memory=false",
-                          "ddp_overrides=['data=digits','model.fc_width=512']",
-                          f"gemm_results={gemm}", f"hydra.run.dir={run_dir}"],
-                         module="ddp_lab.bench.train_throughput", timeout=240)
+    return ranks(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[256]", "cpu_steps=6",
+                  "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
+                  "predict_memory=false",
+                  "ddp_overrides=['data=digits','model.fc_width=512']",
+                  f"gemm_results={gemm}", f"hydra.run.dir={run_dir}"],
+                 nproc=0, module="ddp_lab.bench.train_throughput", timeout=240)
 
 
 def test_real_data_rows_time_every_step_across_epochs(together):

@@ -5,14 +5,14 @@ import json
 import pytest
 
 from ddp_lab.bench.vector_add import VectorAddConfig, crossover, size_list
-from helpers import bench_rows, launch_together, python_module
+from helpers import bench_rows, launch_together, ranks
 
 
 @launch_together("bench_vector_add", cost=6)
 def _vector_add(run_dir):
-    return python_module(["device=cpu", "sizes=[1000,100000]", "iters=2", "plot=true",
-                          f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.vector_add",
-                         timeout=120)
+    return ranks(["device=cpu", "sizes=[1000,100000]", "iters=2", "plot=true",
+                  f"hydra.run.dir={run_dir}"], nproc=0, module="ddp_lab.bench.vector_add",
+                 timeout=120)
 
 
 def test_cli_rows_are_consistent(together):
