@@ -17,8 +17,9 @@ import tempfile
 
 from omegaconf import OmegaConf
 
-from ddp_lab.config import ConfigError, neutral_keys, register_configs
-from ddp_lab.dist import TrainingError, under_torchrun
+from ddp_lab.config import neutral_keys, register_configs
+from ddp_lab.dist import under_torchrun
+from ddp_lab.errors import ConfigError, TrainingError
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 log = logging.getLogger("ddp_lab")
@@ -48,6 +49,21 @@ def _hydra_record_dir(subdir: str, *, _root_):
     except Exception:  # no run dir yet (or no train node): Hydra's default
         pass
     return subdir
+
+
+def compose(overrides=(), config_name: str = "config"):
+    """conf/`config_name`.yaml + `overrides`, composed from code as the command line would compose
+    them (the sweep's points, the benchmarks, the probe, the tests). Inside a running Hydra app it
+    uses that app's initialised conf dir; elsewhere Hydra is initialised for the call."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    register_resolvers()
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name, overrides=list(overrides))
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        return hydra_compose(config_name, overrides=list(overrides))
 
 
 def run_hydra_app(task, config_name: str) -> None:

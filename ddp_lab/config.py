@@ -17,9 +17,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, DictConfig, ListConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A user error in the configuration or environment: printed as one clear line, exit code 2."""
+from ddp_lab.buckets import DEFAULT_BUCKET_MB
+from ddp_lab.errors import ConfigError
 
 
 @dataclass
@@ -64,7 +63,7 @@ class SyncConfig:
     name: str = MISSING  # none | ddp | naive | ring | tree
     # sync=none communicates nothing: any of these off its default is refused there.
     # Gradient bucket size (MiB), ours and DDP's (its bucket_cap_mb); 0: a bucket per parameter
-    bucket_mb: float = 25.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     overlap: bool = True  # ours: start bucket all-reduces during backward (DDP always does)
     comm_dtype: str = "fp32"  # fp32 | bf16 | fp16: dtype gradients travel in (ours and DDP)
     gradient_as_bucket_view: bool = False  # DDP only

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddp_lab.config import ConfigError
+from ddp_lab.errors import ConfigError, TrainingError
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,6 @@ def print0(*args, **kwargs) -> None:
 
 
 # ---- when a collective hangs or fails ----------------------------------------------------------
-
-class TrainingError(RuntimeError):
-    """Training cannot go on: printed as one line, exit code 3. `every_rank`: each rank's message
-    differs (print them all); otherwise the ranks decided together and rank 0 speaks for all."""
-    every_rank = False
-
 
 class CollectiveError(TrainingError):
     every_rank = True

@@ -37,6 +37,7 @@ from ddp_lab.cli import run_hydra_app, setup_logging
 from ddp_lab.config import Config, ConfigError, check_steps_reachable, validate
 from ddp_lab.cost.memory import MEMORY_KEYS, HeldMemory, predict_held
 from ddp_lab.data import Data, build_data
+from ddp_lab.dtypes import element_size
 from ddp_lab.dist import DistInfo, Heartbeat, collective_errors, destroy_group, init_group
 from ddp_lab.fault import Faults
 from ddp_lab.graph import EAGER_CALLS, GraphedTrainStep, check_supported
@@ -492,7 +493,7 @@ def memory_block(run: Run) -> dict:
     params = [p.numel() for p in run.model.parameters()]
     s, o = run.cfg.sync, run.cfg.optim
     states = {"adamw": 2, "sgd": int(o.momentum > 0)}[o.name]
-    comm_elem = {"fp32": 4, "bf16": 2, "fp16": 2}[s.comm_dtype]
+    comm_elem = element_size(s.comm_dtype)
     predicted = predict_held(sum(params), max(params), run.info.world_size, s.name, s.zero,
                              states, s.bucket_mb * 2**20, comm_elem)
     return {**counted, "predicted": predicted, "zero": s.zero}

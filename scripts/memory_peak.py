@@ -122,23 +122,17 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: memory_peak.py needs a CUDA GPU (the allocator's history is CUDA's)")
-    from hydra import compose, initialize_config_dir
-
     from ddp_lab.bench.memory_fit import _image_shape
-    from ddp_lab.cli import CONF_DIR, register_resolvers
-    from ddp_lab.config import register_configs
+    from ddp_lab.cli import compose
 
-    register_configs()
-    register_resolvers()
     os.makedirs(args.out_dir, exist_ok=True)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("bench/memory_fit", overrides=args.overrides)
-        _image_shape(cfg)  # bad measure_* keys fail before any run
-        if not cfg.measure_zero:
-            sys.exit("error: measure_zero is empty: give the stages, e.g. 'measure_zero=[0,1,2]'")
-        for precision in cfg.measure_precisions:
-            for stage in cfg.measure_zero:
-                measure(cfg, stage, precision, args.out_dir)
+    cfg = compose(args.overrides, "bench/memory_fit")
+    _image_shape(cfg)  # bad measure_* keys fail before any run
+    if not cfg.measure_zero:
+        sys.exit("error: measure_zero is empty: give the stages, e.g. 'measure_zero=[0,1,2]'")
+    for precision in cfg.measure_precisions:
+        for stage in cfg.measure_zero:
+            measure(cfg, stage, precision, args.out_dir)
 
 
 if __name__ == "__main__":

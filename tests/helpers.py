@@ -17,10 +17,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
-from hydra import compose, initialize_config_dir
-
-from ddp_lab.config import register_configs
-from ddp_lab.cli import CONF_DIR, register_resolvers
+from ddp_lab.cli import CONF_DIR, compose
 
 REPO = os.path.dirname(CONF_DIR)
 # Small, fast, deterministic runs: dropout off so ranks and world sizes are comparable.
@@ -49,10 +46,7 @@ SCALE_SWEPT = ["ddp", "ring"]
 
 
 def compose_config(overrides: list[str] = (), config_name: str = "config"):
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(CONF_DIR, version_base=None):
-        return compose(config_name, overrides=list(overrides))
+    return compose(overrides, config_name)
 
 
 def free_port() -> int:

@@ -178,7 +178,8 @@ def _image_shape(cfg) -> tuple[int, int]:
 
 def measure_rows(cfg) -> list[dict]:
     """Predicted (ddp_lab.cost.memory) vs measured peak memory of the bare training loop."""
-    from ddp_lab.bench.train_throughput import bare_loop, compose_train_config, row_overrides
+    from ddp_lab.bench.train_throughput import bare_loop, row_overrides
+    from ddp_lab.cli import compose
     from ddp_lab.models import MODELS
 
     device = resolve_device(cfg.device)
@@ -189,7 +190,7 @@ def measure_rows(cfg) -> list[dict]:
         pred = mem.predict_training_memory(model, cfg.measure_batch, size, precision,
                                            "sgd_momentum", cfg.measure_channels_last)
         del model
-        tcfg = compose_train_config(row_overrides(
+        tcfg = compose(row_overrides(
             cfg.measure_model, precision, cfg.measure_channels_last, False, cfg.measure_batch,
             cfg.measure_steps, 2, device, 0))
         out = bare_loop(tcfg, device, steps=cfg.measure_steps, warmup=2)
@@ -226,12 +227,13 @@ def measure_zero_rows(cfg, run_dir: str) -> list[dict]:
 def zero_train_config(cfg, stage: int, precision: str, device: torch.device):
     """The training config of one measure_zero run: cfg.measure_* on synthetic data, sync=ring at
     sync.zero=stage, AdamW."""
-    from ddp_lab.bench.train_throughput import compose_train_config, row_overrides
+    from ddp_lab.bench.train_throughput import row_overrides
+    from ddp_lab.cli import compose
 
     overrides = [o for o in row_overrides(
         cfg.measure_model, precision, cfg.measure_channels_last, False, cfg.measure_batch,
         cfg.measure_steps, 2, device, 0) if o != "sync=none"]
-    return compose_train_config(overrides + ["sync=ring", f"sync.zero={stage}", "optim=adamw"])
+    return compose(overrides + ["sync=ring", f"sync.zero={stage}", "optim=adamw"])
 
 
 def predicted_peak_parts(cfg, stage: int, precision: str, summary: dict) -> dict[str, float]:

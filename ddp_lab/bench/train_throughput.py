@@ -54,6 +54,7 @@ from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.common import (back_to_back_ms, plot_lines, report, resolve_device, sync,
                                   write_info, write_rows)
+from ddp_lab.cli import compose
 from ddp_lab.config import ConfigError
 from ddp_lab.graph import EAGER_CALLS, GraphedStep
 from ddp_lab.precision import AUTOCAST_DTYPES
@@ -96,25 +97,7 @@ class TrainThroughputConfig:
 ConfigStore.instance().store(name="bench_train_throughput_schema", node=TrainThroughputConfig)
 
 
-# ---- composing the ddp_lab config ----------------------------------------------------------------
-
-def compose_train_config(overrides: list[str]):
-    """conf/config.yaml + overrides, as `python -m ddp_lab.train` would compose them. Inside a
-    running Hydra app (this benchmark's CLI) Hydra is already initialised on conf/; elsewhere
-    (tests) it is initialised for the call."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from ddp_lab.config import register_configs
-    from ddp_lab.cli import CONF_DIR, register_resolvers
-
-    register_configs()
-    register_resolvers()
-    if GlobalHydra.instance().is_initialized():
-        return compose("config", overrides=list(overrides))
-    with initialize_config_dir(CONF_DIR, version_base=None):
-        return compose("config", overrides=list(overrides))
-
+# ---- the ddp_lab config of a row ---------------------------------------------------------------
 
 def row_overrides(model: str, precision: str, channels_last: bool, compile_: bool, batch: int,
                   steps: int, warmup: int, device: torch.device, seed: int,
@@ -433,7 +416,7 @@ def run_matrix(cfg, b: Bench, combos: list[tuple], run_dir: str) -> list[dict]:
         precision, cl, comp, graph, batch = combo
         name = f"{precision}_cl{int(cl)}_compile{int(comp)}{'_graph' * graph}_b{batch}"
         print(f"[{i + 1}/{len(combos)}] {name}", flush=True)
-        tcfg = compose_train_config(row_overrides(b.model, precision, cl, comp, batch, b.steps,
+        tcfg = compose(row_overrides(b.model, precision, cl, comp, batch, b.steps,
                                                   b.warmup, b.device, cfg.seed, cfg.ddp_overrides,
                                                   graph))
         bares, ddps = run_pair(cfg, b, tcfg, name, run_dir)
@@ -482,7 +465,7 @@ def run_profiles(cfg, b: Bench, run_dir: str) -> list[dict]:
     one's top kernels, then the share on tensor cores of all; returns the per-precision summaries."""
     kernels, summaries = [], []
     for precision in b.precisions:
-        tcfg = compose_train_config(row_overrides(b.model, precision, cfg.channels_last[0], False,
+        tcfg = compose(row_overrides(b.model, precision, cfg.channels_last[0], False,
                                                   b.batches[0], b.steps, b.warmup, b.device,
                                                   cfg.seed, cfg.ddp_overrides))
         free_memory(b.device)

@@ -42,9 +42,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from ddp_lab import buckets
 from ddp_lab.comm.cost import cost, hierarchical_cost
+from ddp_lab.dtypes import element_size
 
-GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 MB = 1 << 20
 
 
@@ -506,45 +507,18 @@ class Bucket:
 def bucket_layout(numels: Sequence[int], elem_bytes: int, bucket_mb: float, rule: str,
                   first_bucket_mb: float | None = None) -> list[int]:
     """Bytes per bucket of gradients of `numels` (in the order backward produces them), as a sync
-    cuts them (a parameter never split):
-      ddp   torch DDP: a bucket closes once it holds >= the cap (the first one at 1 MiB);
-      ours  ddp_lab/sync/bucketed.py: a parameter that would take a bucket past the cap starts
-            the next one (0 MiB: a bucket per parameter).
-    bucket_mb <= 0 under `ddp` means one bucket for everything (the simulation's sweep)."""
-    return [nb for nb, _ in _layout(numels, elem_bytes, bucket_mb, rule, first_bucket_mb)]
-
-
-def _layout(numels, elem_bytes, bucket_mb, rule, first_bucket_mb) -> list[tuple[int, int]]:
-    """(bytes, index of its last parameter) per bucket; see bucket_layout."""
-    if rule not in ("ddp", "ours"):
-        raise ValueError(f"unknown bucket rule {rule!r}: expected ddp or ours")
-    cap = bucket_mb * MB if bucket_mb > 0 or rule == "ours" else math.inf
-    first = first_bucket_mb * MB if first_bucket_mb and rule == "ddp" else cap
-    out, size = [], 0
-    for i, numel in enumerate(numels):
-        nbytes = numel * elem_bytes
-        if rule == "ours" and size and size + nbytes > cap:
-            out.append((size, i - 1))
-            size = 0
-        size += nbytes
-        if rule == "ddp" and size >= (first if not out else cap):
-            out.append((size, i))
-            size = 0
-    if size:
-        out.append((size, len(numels) - 1))
-    return out
+    cuts them (ddp_lab/buckets.py: `ours` or `ddp`'s rule)."""
+    groups = buckets.plan([n * elem_bytes for n in numels], bucket_mb, rule, first_bucket_mb)
+    return [sum(numels[i] for i in g) * elem_bytes for g in groups]
 
 
 def buckets_of(grads: Sequence[tuple[int, float]], elem_bytes: int, bucket_mb: float,
                rule: str = "ddp", first_bucket_mb: float | None = None) -> list[Bucket]:
     """Buckets of gradients given as (numel, ready fraction) in backward order: each is ready
     when the last of its gradients is (the latest of them, should measured ones cross)."""
-    layout = _layout([n for n, _ in grads], elem_bytes, bucket_mb, rule, first_bucket_mb)
-    out, first = [], 0
-    for nbytes, last in layout:
-        out.append(Bucket(nbytes, max(f for _, f in grads[first:last + 1])))
-        first = last + 1
-    return out
+    groups = buckets.plan([n * elem_bytes for n, _ in grads], bucket_mb, rule, first_bucket_mb)
+    return [Bucket(sum(grads[i][0] for i in g) * elem_bytes, max(grads[i][1] for i in g))
+            for g in groups]
 
 
 def make_buckets(profile: ModelProfile, bucket_mb: float, elem_bytes: int,
@@ -676,7 +650,7 @@ class StepPrediction:
 
 def predict_step(profile: ModelProfile, network: Network, algo: str, world_size: int, *,
                  forward_s: float, backward_s: float, other_s: float = 0.0,
-                 bucket_mb: float = 25.0, elem_bytes: int = 4, overlap: bool = True,
+                 bucket_mb: float = buckets.DEFAULT_BUCKET_MB, elem_bytes: int = 4, overlap: bool = True,
                  first_bucket_mb: float | None = None,
                  interference: Interference = NO_INTERFERENCE, zero: int = 0) -> StepPrediction:
     """One step on `world_size` ranks: the single-rank phases plus the modelled exposed
@@ -715,7 +689,7 @@ def simulate(models: dict[str, float], networks: Sequence[Network], world_sizes:
             profile = profile_model(name)
             fwd, bwd = compute_s / 3, 2 * compute_s / 3
             for dtype in grad_dtypes:
-                elem = GRAD_BYTES[dtype]
+                elem = element_size(dtype)
                 for algo in net.algos():
                     for n in world_sizes:
                         if not net.fits and n > net.gpus_per_node and (

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from ddp_lab.buckets import DEFAULT_BUCKET_MB
+
 
 @dataclass
 class PredictConfig:
@@ -27,7 +29,7 @@ class SimConfig:
     networks: list[str] = field(default_factory=lambda: ["ib400", "ib100", "eth25", "measured"])
     network: str = "ib400"  # the one whose tables are printed in full
     grad_dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
-    bucket_mb: float = 25.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     bucket_sweep: list[float] = field(default_factory=lambda: [1.0, 5.0, 10.0, 25.0, 50.0, 100.0,
                                                                250.0, 0.0])  # 0: one bucket
     batch_per_gpu: int = 256

@@ -49,23 +49,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddp_lab.cost import network as net
+from ddp_lab.dtypes import element_size
 from ddp_lab.sync.bucketed import comm_thread_init
 
 PHASES = ("forward", "backward", "guard", "optim")
 
 
-def compose(overrides: list[str]):
+def point_config(overrides: list[str]):
     """The point's training config, as the dataclasses the training loop reads."""
-    from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ddp_lab.cli import CONF_DIR, register_resolvers
-    from ddp_lab.config import register_configs, validate
+    from ddp_lab.cli import compose
+    from ddp_lab.config import validate
 
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(CONF_DIR, version_base=None):
-        cfg = hydra_compose("config", overrides=overrides)
+    cfg = compose(overrides)
     validate(cfg)
     return OmegaConf.to_object(cfg)
 
@@ -189,7 +186,7 @@ class BucketComm:
 
 def bucket_sizes(model: torch.nn.Module, algo: str, scfg) -> list[int]:
     """Bytes of each bucket the sync makes of `model`'s gradients (ddp_lab.cost.network's rules)."""
-    elem = net.GRAD_BYTES.get(scfg.comm_dtype, 4)
+    elem = element_size(scfg.comm_dtype)
     numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]
     ddp = algo == "native"
     return net.bucket_layout(numels, elem, scfg.bucket_mb, "ddp" if ddp else "ours",
@@ -314,7 +311,7 @@ def _derive_algo(rounds: list[dict], algo: str, bucket_bytes: list[int], backwar
 
 def main() -> None:
     from ddp_lab.dist import destroy_group, init_group
-    from ddp_lab.sync.bucketed import COMM_DTYPES
+    from ddp_lab.sync.bucketed import comm_dtype
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
@@ -323,13 +320,13 @@ def main() -> None:
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)  # training overrides after `--`
     a = p.parse_args(argv[:cut])
-    cfg = compose(argv[cut + 1:])
+    cfg = point_config(argv[cut + 1:])
     info = init_group(cfg.dist.backend, cfg.dist.timeout_s)
     try:
         torch.manual_seed(cfg.seed)
         b = build_bench(cfg, info)
         params = [q for q in b.model.parameters()]
-        dtype = COMM_DTYPES.get(cfg.sync.comm_dtype) or params[0].dtype
+        dtype = comm_dtype(cfg.sync.comm_dtype) or params[0].dtype
         algos = [x for x in a.algos.split(",") if x] if info.world_size > 1 else []
         comms = {algo: BucketComm(bucket_sizes(b.model, algo, cfg.sync), algo, info.world_size,
                                   dtype, info.device) for algo in algos}

@@ -41,7 +41,9 @@ import json
 import os
 import statistics
 
+from ddp_lab.buckets import DEFAULT_BUCKET_MB
 from ddp_lab.cost import network as net
+from ddp_lab.dtypes import element_size
 
 PHASES = ("data", "forward", "backward", "sync", "exposed_comm", "guard", "optim", "other")
 NAN = float("nan")
@@ -121,7 +123,7 @@ def _zero(point) -> int:
 def _buckets(row: dict, point, probe: Probe | None) -> list[net.Bucket]:
     """The point's buckets by its sync's rule, ready as the probe measured (else by FLOPs)."""
     scfg, mcfg = point.config.get("sync", {}), point.config.get("model", {})
-    elem = net.GRAD_BYTES.get(scfg.get("comm_dtype", "fp32"), 4)
+    elem = element_size(scfg.get("comm_dtype", "fp32"))
     grads = probe.grads() if probe is not None else None
     if grads is None:
         profile = net.profile_model(mcfg.get("name", row["model"]), mcfg.get("image_size"),
@@ -129,7 +131,7 @@ def _buckets(row: dict, point, probe: Probe | None) -> list[net.Bucket]:
                                     mcfg.get("fc_width", 4096))
         grads = profile.gradients_in_backward_order()
     ddp = point.sync == "ddp"
-    return net.buckets_of(grads, elem, float(scfg.get("bucket_mb", 25.0)),
+    return net.buckets_of(grads, elem, float(scfg.get("bucket_mb", DEFAULT_BUCKET_MB)),
                           "ddp" if ddp else "ours", 1.0 if ddp else None)
 
 
@@ -167,7 +169,7 @@ def gather_ms(row: dict, point, fit: net.Fit | None, probe: Probe | None) -> flo
     n = point.world_size
     if not _zero(point) or n < 2 or fit is None:
         return 0.0
-    elem = net.GRAD_BYTES.get(point.config.get("sync", {}).get("comm_dtype", "fp32"), 4)
+    elem = element_size(point.config.get("sync", {}).get("comm_dtype", "fp32"))
     return sum(fit.time_s(b.nbytes * 4 / elem, n, "all_gather")
                for b in _buckets(row, point, probe)) * 1e3
 

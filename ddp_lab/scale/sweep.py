@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from ddp_lab.config import ConfigError
-from ddp_lab.cost import network as net
+from ddp_lab.dtypes import element_size
 from ddp_lab.cli import CONF_DIR
 
 # Point defaults by device. Everything here can be overridden on the command line.
@@ -171,13 +171,13 @@ def plan(cfg, passthrough: list[str], sweep_dir: str) -> tuple[list[Point], str]
 def check_point_config(point: Point) -> None:
     """Compose the first point's training config here, so a misspelt training override fails
     the sweep once, with Hydra's or validate()'s message, instead of failing every point."""
-    from hydra import compose
     from omegaconf import OmegaConf
 
+    from ddp_lab.cli import compose
     from ddp_lab.config import validate
 
     try:
-        cfg = compose("config", overrides=[a for a in point.args if not a.startswith("hydra.")])
+        cfg = compose([a for a in point.args if not a.startswith("hydra.")])
         validate(cfg)
     except ConfigError:
         raise
@@ -358,7 +358,7 @@ def phases(summary: dict) -> dict[str, float]:
 
 def grad_bytes(point: Point) -> float:
     dtype = point.config.get("sync", {}).get("comm_dtype", "fp32")
-    return point.summary.get("parameters", 0) * net.GRAD_BYTES.get(dtype, 4)
+    return point.summary.get("parameters", 0) * element_size(dtype)
 
 
 def baseline(p: Point, points: list[Point]) -> Point | None:

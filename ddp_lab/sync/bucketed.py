@@ -57,12 +57,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_lab import comm
+from ddp_lab import buckets, comm
+from ddp_lab.dtypes import DTYPES
 from ddp_lab.comm.p2p import Recorder, recording
 from ddp_lab.sync.base import GradSync
 
-COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # None: the grad's own
-MiB = 1 << 20
 
 
 @dataclass
@@ -82,9 +81,9 @@ class BucketedSync(GradSync):
         if scfg.name not in ("naive", "ring", "tree"):
             raise ValueError(f"BucketedSync runs naive, ring or tree, not {scfg.name!r}")
         self.name = self.algo = scfg.name
-        self.bucket_bytes = int(scfg.bucket_mb * MiB)
+        self.bucket_mb = scfg.bucket_mb
         self.overlap = bool(scfg.overlap)
-        self.comm_dtype = COMM_DTYPES[scfg.comm_dtype]
+        self.comm_dtype = comm_dtype(scfg.comm_dtype)
         self.device, self.world_size, self.group = device, world_size, group
         self.cuda = device.type == "cuda"
         self.params: list[nn.Parameter] = []
@@ -118,29 +117,21 @@ class BucketedSync(GradSync):
         return model
 
     def _build_buckets(self, params) -> list[Bucket]:
-        groups, cur, cur_bytes, cur_key = [], [], 0, None
-        for p in reversed(params):  # backward makes the last layers' grads first
-            dtype = self.comm_dtype or p.dtype
-            nbytes = p.numel() * torch.empty((), dtype=dtype).element_size()
-            key = (p.device, dtype)
-            if cur and (cur_bytes + nbytes > self.bucket_bytes or key != cur_key):
-                groups.append((cur, cur_key))
-                cur, cur_bytes = [], 0
-            cur.append(p)
-            cur_bytes += nbytes
-            cur_key = key
-        if cur:
-            groups.append((cur, cur_key))
-        buffers = self._bucket_buffers([(sum(p.numel() for p in ps), dtype, device)
-                                        for ps, (device, dtype) in groups])
-        buckets = []
-        for i, ((ps, _), buffer) in enumerate(zip(groups, buffers)):
+        params = params[::-1]  # backward makes the last layers' grads first
+        dtypes = [self.comm_dtype or p.dtype for p in params]
+        groups = buckets.plan([p.numel() * d.itemsize for p, d in zip(params, dtypes)],
+                              self.bucket_mb, "ours",
+                              keys=[(p.device, d) for p, d in zip(params, dtypes)])
+        buffers = self._bucket_buffers([(sum(params[i].numel() for i in g), dtypes[g[0]],
+                                         params[g[0]].device) for g in groups])
+        out = []
+        for i, (g, buffer) in enumerate(zip(groups, buffers)):
             views, off = [], 0
-            for p in ps:
+            for p in (params[j] for j in g):
                 views.append(view_like(buffer, off, p))
                 off += p.numel()
-            buckets.append(Bucket(i, ps, buffer, views))
-        return buckets
+            out.append(Bucket(i, [params[j] for j in g], buffer, views))
+        return out
 
     def _bucket_buffers(self, sizes: list[tuple]) -> list[torch.Tensor]:
         """A flat buffer per bucket, (numel, dtype, device) each, kept for the whole run."""
@@ -304,6 +295,11 @@ class BucketedSync(GradSync):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def comm_dtype(name: str) -> torch.dtype | None:
+    """sync.comm_dtype as the dtype buckets hold: None for fp32, which means the gradients' own."""
+    return None if name == "fp32" else DTYPES[name]
 
 
 def view_like(flat: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_lab.dtypes import DTYPES, element_size
 from ddp_lab.sync.base import GradSync
 
-COMPRESS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compress_hook(dtype: torch.dtype):
@@ -82,9 +82,9 @@ class DDPSync(GradSync):
             static_graph=self.cfg.static_graph,
         )
         hook = None
-        if self.cfg.comm_dtype in COMPRESS_DTYPES:
+        if self.cfg.comm_dtype != "fp32":
             # Divide by the world size, then cast down, then sum: see compress_hook.
-            hook = compress_hook(COMPRESS_DTYPES[self.cfg.comm_dtype])
+            hook = compress_hook(DTYPES[self.cfg.comm_dtype])
         if self.tracer is not None:
             hook = timed_hook(hook or default_hooks.allreduce_hook, self.tracer)
         if hook is not None:
@@ -112,6 +112,6 @@ class DDPSync(GradSync):
 
     def bytes_per_step(self) -> int:
         # Estimated, not counted (DDP's traffic is inside the backend): DDP's ring (NCCL or gloo) moves 2(N-1)/N of the gradient bytes per rank.
-        elem = {"fp32": 4, "bf16": 2, "fp16": 2}[self.cfg.comm_dtype]
+        elem = element_size(self.cfg.comm_dtype)
         numel = sum(p.numel() for p in self.ddp.module.parameters() if p.requires_grad)
         return int(2 * (self.world_size - 1) / self.world_size * numel * elem)
