@@ -116,15 +116,18 @@ class GraphedStep:
 
 
 class GraphedTrainStep:
-    """train.cuda_graph: the loop's `step_fn(step, micro_batches, mark)` as one CUDA graph, called
-    the same way. The micro-batches go through GraphedStep's static inputs, the learning rate
-    through `DeviceLR` (updated before each call: the scheduler stepped after the last one), and
-    after a replay the guard keeps that step's verdict. Phases inside a graph cannot be marked:
-    the loop times the whole step as one phase, `graph`."""
+    """train.cuda_graph: the loop's step (ddp_lab.step.TrainStep: `step(step, micro_batches,
+    mark)`) as one CUDA graph, called the same way. The micro-batches go through GraphedStep's
+    static inputs, the learning rate through `DeviceLR` (updated before each call: the scheduler
+    stepped after the last one), and after a replay the guard keeps that step's verdict. Phases
+    inside a graph cannot be marked: the loop times the whole step as one phase, `graph`."""
+
+    last_phase = "graph"
 
     def __init__(self, step_fn, optimizer: torch.optim.Optimizer, guard):
         self.lr = DeviceLR(optimizer)
         self.guard = guard
+        self.loss_sum = step_fn.loss_sum  # a replay adds into the tensor the capture saw
         self.step = 0  # the step being run, read by the eager and the captured call
         self.graphed = GraphedStep(lambda *tensors: step_fn(
             self.step, list(zip(tensors[::2], tensors[1::2])), lambda phase: None))

@@ -6,47 +6,42 @@ summary.
     torchrun --nproc_per_node=8 -m ddp_lab.train sync=ring precision=bf16 train.channels_last=true
 
 torchrun sets the environment -> Hydra composes conf/ + overrides into a typed config (cli.py) ->
-`init_group()` -> `build_run`: data, model, sync, optimizer, precision, guard, logger -> `loop`:
-each step `train_step` (forward, backward, gradient sync, guard, optimizer), then logging,
-evaluation and checkpoints at their intervals -> `write_summary` -> the group is destroyed,
-whatever happened.
+`init_group()` -> `build_run`: the run's length, data, the step's parts (model, sync, optimizer,
+precision: ddp_lab/step.py), guard, recorders -> `loop`: each step (forward, backward, gradient
+sync, guard, optimizer), then logging, evaluation and checkpoints at their intervals ->
+`write_summary` (ddp_lab/summary.py) -> the group is destroyed, whatever happened.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import logging
 import math
 import os
-import shutil
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torch import nn
 
-from ddp_lab import checkpoint, provenance, trace
+from ddp_lab import checkpoint, provenance
 from ddp_lab.cli import run_hydra_app, setup_logging
-from ddp_lab.config import Config, ConfigError, check_steps_reachable, validate
-from ddp_lab.cost.memory import MEMORY_KEYS, HeldMemory, predict_held
+from ddp_lab.config import Config, check_steps_reachable, validate
+from ddp_lab.cost.memory import HeldMemory
 from ddp_lab.data import Data, build_data
-from ddp_lab.dtypes import element_size
 from ddp_lab.dist import DistInfo, Heartbeat, collective_errors, destroy_group, init_group
 from ddp_lab.fault import Faults
 from ddp_lab.graph import EAGER_CALLS, GraphedTrainStep, check_supported
 from ddp_lab.guard import Guard, assert_finite
 from ddp_lab.metrics import NullLogger, StepTimer, make_logger, medians, with_exposed_comm
-from ddp_lab.models import build_model
-from ddp_lab.optim import build_scheduler, float_lrs, optimizer_class
-from ddp_lab.precision import Precision, setup_precision
-from ddp_lab.sync import GradSync, build_sync
+from ddp_lab.optim import build_scheduler, float_lrs
+from ddp_lab.step import (Parts, TrainStep, build_parts, build_step, compiled_graphs,
+                          time_local_backward)
+from ddp_lab.summary import write_summary
 from ddp_lab.trace import Tracer
 
 log = logging.getLogger("ddp_lab")
@@ -79,8 +74,8 @@ def _train(cfg, run_dir: str, info: DistInfo) -> dict:
     heartbeat = Heartbeat(info.rank, info.world_size, cfg.sync.name)
     with collective_errors(cfg.dist.timeout_s, heartbeat), contextlib.ExitStack() as closing:
         run = build_run(cfg, run_dir, info, heartbeat, closing)  # closing: shut before the group
-        loop(run)
-        return write_summary(run)
+        progress = loop(run)
+        return write_summary(run, progress)
 
 
 def _release_frames(exc: BaseException | None) -> None:
@@ -95,99 +90,110 @@ def _release_frames(exc: BaseException | None) -> None:
 
 # ---- 1. build the run -------------------------------------------------------------------------
 
-@dataclass
-class Run:
-    """Everything one training run is made of, built once by `build_run`."""
+@dataclass(frozen=True)
+class RunContext:
+    """Where and how this run is made."""
     cfg: Config  # plain dataclasses: the loop reads them every step, and a DictConfig read is slow
     cfg_dict: dict  # the same, resolved, as plain dicts: run_info.json and the resume digest
     run_dir: str
     info: DistInfo
-    data: Data
-    model: nn.Module  # this rank's replica: its parameters, state dict and checkpoints
-    train_model: nn.Module  # what the step calls: the model with the sync's hooks, DDP, compiled
-    sync: GradSync
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    precision: Precision
     heartbeat: Heartbeat
-    logger: NullLogger
+
+
+@dataclass(frozen=True)
+class Length:
+    """How long the run is, in optimizer steps (1-based, as in the logs)."""
     steps_per_epoch: int
     total_steps: int
+    start_step: int  # the checkpoint's step when resuming, else 0
     stop_step: int  # total_steps, or train.stop_at_step
     global_batch: int  # images per optimizer step, over all ranks
-    memory_format: torch.memory_format
+
+
+@dataclass(frozen=True)
+class Recorders:
+    """What the run measures beside training, and where it writes it."""
     timer: StepTimer
-    guard: Guard = None
-    faults: Faults = None
-    tracer: Tracer | None = None  # train.trace: a timeline of a few steps
-    memory: HeldMemory = None  # bytes this rank holds, counted at the first optimizer step
-    start_step: int = 0  # the checkpoint's step when resuming
-    local_backward_ms: float | None = None  # backward without communication (calibrated)
-    compiled_before: int = 0  # graphs torch.compile had made before this run
-    loss_sum: torch.Tensor = None  # the loss summed over the steps since the last log line
-    logged_step: int = 0
+    logger: NullLogger
+    tracer: Tracer | None  # train.trace: a timeline of a few steps
+    memory: HeldMemory  # bytes this rank holds, counted at the first optimizer step
+    local_backward_ms: float | None  # backward without communication (calibrated)
+    compiled_before: int  # graphs torch.compile had made before this run
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything one training run is made of, built once by `build_run`."""
+    ctx: RunContext
+    length: Length
+    data: Data
+    parts: Parts
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    guard: Guard
+    faults: Faults
+    step: TrainStep | GraphedTrainStep
+    rec: Recorders
+
+
+@dataclass
+class Progress:
+    """What the loop itself changes as it goes."""
+    logged_step: int  # the last step a log line covered
     val_loss: float = math.nan
     val_accuracy: float = math.nan
 
 
 def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
               closing: contextlib.ExitStack) -> Run:
-    """Model, data, sync, optimizer, precision, guard, logger; resumed from the run dir's
-    checkpoint if there is one. `closing` is shut before the process group goes."""
+    """Length, data, the step's parts, guard, recorders; resumed from the run dir's checkpoint if
+    there is one. `closing` is shut before the process group goes."""
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     # Before anything is written: a run dir of another config is refused untouched.
     resumed = checkpoint.resume(cfg_dict, run_dir, cfg.train.resume, info.world_size, log.warning)
     cfg = OmegaConf.to_object(cfg)
-    device, tcfg = info.device, cfg.train
-    torch.manual_seed(cfg.seed)  # the same initial weights everywhere (rank 0's are broadcast)
-    data = build_data(cfg, info.rank, info.world_size, device)
-    memory_format = torch.channels_last if tcfg.channels_last else torch.contiguous_format
-    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout, cfg.model.stem,
-                        cfg.model.fc_width)
-    model = model.to(device, memory_format=memory_format)
-    torch.manual_seed(cfg.seed + 1 + info.rank)  # then a stream per rank: dropout masks differ
-    precision = setup_precision(cfg.precision, device, tcfg.cudnn_benchmark)
-    sync = build_sync(cfg.sync, info)
-    closing.callback(sync.close)  # its communication thread stops before the group does
-    precision.scaler = sync.grad_scaler(precision.scaler)  # ZeRO: each rank sees a shard
-    sync.tracer = Tracer(device) if tcfg.trace else None  # (DDP's hook is installed in prepare)
+    ctx = RunContext(cfg, cfg_dict, run_dir, info, heartbeat)
+    data = build_data(cfg, info.rank, info.world_size, info.device)
+    length = run_length(cfg, data, info.world_size, resumed)
+    data.train.last_epoch = (length.stop_step - 1) // length.steps_per_epoch
+    timer = _make_timer(cfg.train, info.device)
+    tracer = _make_tracer(cfg.train, info.device, length, timer.warmup)
     compiled_before = compiled_graphs()
-    train_model = sync.prepare(model)  # the model with our hooks installed, or DDP's wrapper
-    if tcfg.compile:
-        train_model = compile_model(train_model, device, tcfg.compile_mode)
-    # ZeRO (sync.zero): over this rank's shards only; its step ends gathering the parameters
-    optimizer = sync.build_optimizer(model, *optimizer_class(cfg.optim, device))
-    steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
-    total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
-    check_steps_reachable(cfg, total_steps, f"{tcfg.epochs} epochs of {steps_per_epoch} steps")
-    stop_step = min(total_steps, tcfg.stop_at_step or total_steps)
-    data.train.last_epoch = (stop_step - 1) // steps_per_epoch
-    logger = make_logger(run_dir, info.is_main)
-    closing.callback(logger.close)
-    run = Run(cfg, cfg_dict, run_dir, info, data, model, train_model, sync, optimizer,
-              build_scheduler(optimizer, cfg.optim, total_steps), precision, heartbeat, logger,
-              steps_per_epoch, total_steps, stop_step,
-              tcfg.batch_size * tcfg.accum_steps * info.world_size, memory_format,
-              _make_timer(tcfg, device), compiled_before=compiled_before,
-              loss_sum=torch.zeros((), device=device),
-              memory=HeldMemory(model, optimizer, sync))
-    checkpoint.check_keep_every(tcfg.keep_every, tcfg.checkpoint_every, steps_per_epoch)
+    parts = build_parts(cfg, info, data.num_classes, tracer)
+    closing.callback(parts.sync.close)  # its communication thread stops before the group does
+    scheduler = build_scheduler(parts.optimizer, cfg.optim, length.total_steps)
+    checkpoint.check_keep_every(cfg.train.keep_every, cfg.train.checkpoint_every,
+                                length.steps_per_epoch)
     if info.is_main:
         for stale in checkpoint.clean_stale_temporaries(run_dir):
             log.warning("removed stale temporary %s", stale)
     if resumed is not None:
-        restore(run, resumed)
-    if sync.tracer is not None:  # the steps right after the timing warm-up
-        run.tracer = sync.tracer
-        run.tracer.first = run.start_step + run.timer.warmup + 1
-        run.tracer.last = min(run.stop_step, run.tracer.first + tcfg.trace_steps - 1)
-    run.faults = Faults(cfg.fault, info.rank, info.world_size, model)
-    run.guard = Guard(tcfg, info, model, precision.scaler, total_steps)
-    if tcfg.calibrate_steps:
-        run.local_backward_ms = time_local_backward(run, tcfg.calibrate_steps)
+        restore(parts, scheduler, resumed, info, length, cfg.train.accum_steps)
+    guard = Guard(cfg.train, info, parts.model, parts.precision.scaler, length.total_steps)
+    faults = Faults(cfg.fault, info.rank, info.world_size, parts.model)
+    logger = make_logger(run_dir, info.is_main)
+    closing.callback(logger.close)
+    memory = HeldMemory(parts.model, parts.optimizer, parts.sync)
+    local_backward_ms = (time_local_backward(parts, next(data.train.epoch(0)),
+                                             cfg.train.calibrate_steps)
+                         if cfg.train.calibrate_steps else None)
+    run = Run(ctx=ctx, length=length, data=data, parts=parts, scheduler=scheduler, guard=guard,
+              faults=faults, step=build_step(parts, guard, cfg.train, cfg.optim),
+              rec=Recorders(timer, logger, tracer, memory, local_backward_ms, compiled_before))
     if info.is_main:
         record_run(run)
     return run
+
+
+def run_length(cfg, data: Data, world_size: int, resumed: dict | None) -> Length:
+    """The run's steps: train.max_steps, or train.epochs of what the data allows per epoch."""
+    tcfg = cfg.train
+    steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
+    total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
+    check_steps_reachable(cfg, total_steps, f"{tcfg.epochs} epochs of {steps_per_epoch} steps")
+    return Length(steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                  start_step=resumed["step"] if resumed is not None else 0,
+                  stop_step=min(total_steps, tcfg.stop_at_step or total_steps),
+                  global_batch=tcfg.batch_size * tcfg.accum_steps * world_size)
 
 
 def _make_timer(tcfg, device: torch.device) -> StepTimer:
@@ -196,176 +202,113 @@ def _make_timer(tcfg, device: torch.device) -> StepTimer:
     return StepTimer(device, warmup)
 
 
-def restore(run: Run, resumed: dict) -> None:
-    """Continue from a checkpoint: weights, optimizer, schedule, loss scale, every RNG, step."""
-    checkpoint.check_position(resumed, run.steps_per_epoch, run.cfg.train.accum_steps)
-    run.model.load_state_dict(resumed["model"])
-    run.sync.load_optimizer_state(run.optimizer, resumed["optimizer"])  # ZeRO: this rank's shard
-    run.scheduler.load_state_dict(resumed["scheduler"])
-    run.precision.scaler.load_state_dict(resumed["scaler"])
-    checkpoint.set_rng_state(resumed["rng"][run.info.rank], run.info.device)
-    run.start_step = run.logged_step = resumed["step"]
-    log.info("resumed from %s at step %d", resumed["path"], run.start_step)
+def _make_tracer(tcfg, device: torch.device, length: Length, warmup: int) -> Tracer | None:
+    """train.trace: the train.trace_steps steps right after the timing warm-up."""
+    if not tcfg.trace:
+        return None
+    first = length.start_step + warmup + 1
+    return Tracer(device, first, min(length.stop_step, first + tcfg.trace_steps - 1))
 
 
-def compile_model(module: nn.Module, device: torch.device, mode: str) -> nn.Module:
-    """torch.compile, refused up front (not deep inside the first step) where it cannot work."""
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
-        raise ConfigError("train.compile=true: torch.compile is not supported on this Python/"
-                          "platform; run with train.compile=false")
-    if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "g++"))
-                                     or shutil.which("c++")):
-        raise ConfigError("train.compile=true on CPU needs a C++ compiler (g++), none found; "
-                          "run with train.compile=false")
-    return torch.compile(module, mode=mode)
-
-
-def compiled_graphs() -> int:
-    """How many graphs Dynamo has compiled in this process so far (a run reports its own: none
-    under train.compile=true would mean the model ran eagerly after all)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def time_local_backward(run: Run, passes: int) -> float:
-    """Median backward time (ms) of `passes` micro-steps that do not communicate (after two
-    untimed ones). DDP waits for its all-reduces inside backward, so its exposed communication is
-    (synced backward + wait) - this. Runs under fork_rng and leaves no gradients, so training is
-    unaffected."""
-    x, y = next(run.data.train.epoch(0))
-    x = x.contiguous(memory_format=run.memory_format)
-    device = run.info.device
-    timer = StepTimer(device, warmup=2)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for _ in range(passes + 2):
-            timer.restart()
-            with run.sync.no_sync():
-                with run.precision.autocast():
-                    loss = F.cross_entropy(run.train_model(x), y)
-                timer.mark("forward")
-                run.precision.scaler.scale(loss).backward()
-                timer.mark("backward")
-            timer.end_step()
-            run.train_model.zero_grad(set_to_none=True)
-    return timer.summary()["backward_ms"]
+def restore(parts: Parts, scheduler, resumed: dict, info: DistInfo, length: Length,
+            accum_steps: int) -> None:
+    """Continue from a checkpoint: weights, optimizer, schedule, loss scale, every RNG."""
+    checkpoint.check_position(resumed, length.steps_per_epoch, accum_steps)
+    parts.model.load_state_dict(resumed["model"])
+    parts.sync.load_optimizer_state(parts.optimizer, resumed["optimizer"])  # ZeRO: its shard
+    scheduler.load_state_dict(resumed["scheduler"])
+    parts.precision.scaler.load_state_dict(resumed["scaler"])
+    checkpoint.set_rng_state(resumed["rng"][info.rank], info.device)
+    log.info("resumed from %s at step %d", resumed["path"], length.start_step)
 
 
 def record_run(run: Run) -> None:
     """Rank 0: run_info.json (how this run was made) and the same in TensorBoard."""
-    facts = {"world_size": run.info.world_size, "backend": run.info.backend,
-             "global_batch": run.global_batch, "total_steps": run.total_steps,
-             "train_samples": run.data.train_samples, "val_samples": run.data.val_samples}
-    path = provenance.write(os.path.join(run.run_dir, "run_info.json"), run.cfg_dict,
-                            run.info.device, run=facts)
+    ctx, length, data = run.ctx, run.length, run.data
+    facts = {"world_size": ctx.info.world_size, "backend": ctx.info.backend,
+             "global_batch": length.global_batch, "total_steps": length.total_steps,
+             "train_samples": data.train_samples, "val_samples": data.val_samples}
+    path = provenance.write(os.path.join(ctx.run_dir, "run_info.json"), ctx.cfg_dict,
+                            ctx.info.device, run=facts)
     with open(path) as f:
-        run.logger.text("run_info", f.read())
-    run.logger.text("config", OmegaConf.to_yaml(run.cfg_dict))
+        run.rec.logger.text("run_info", f.read())
+    run.rec.logger.text("config", OmegaConf.to_yaml(ctx.cfg_dict))
     log.info("world size %d (%s on %s), global batch %d, %d steps, %d train / %d val samples",
-             run.info.world_size, run.info.backend, run.info.device, run.global_batch,
-             run.total_steps, run.data.train_samples, run.data.val_samples)
+             ctx.info.world_size, ctx.info.backend, ctx.info.device, length.global_batch,
+             length.total_steps, data.train_samples, data.val_samples)
 
 
 # ---- 2. the loop ------------------------------------------------------------------------------
 
-def loop(run: Run) -> None:
+def loop(run: Run) -> Progress:
     """Steps start_step+1 .. stop_step (1-based, as in the logs), each followed by whatever is due
     after it: a log line, an evaluation, a checkpoint, a replica check."""
     from tqdm import tqdm
 
+    length, timer, tracer = run.length, run.rec.timer, run.rec.tracer
     # disable=None: a bar only on a terminal; redirected output gets log lines instead.
-    bar = tqdm(total=run.total_steps, initial=run.start_step, unit="step", dynamic_ncols=True,
-               disable=None if run.info.is_main and run.cfg.train.progress else True,
-               file=sys.stderr)
-    step_fn, last_phase = functools.partial(train_step, run), "optim"
-    if run.cfg.train.cuda_graph:  # (the run does not hold it: no reference cycle keeps it alive)
-        step_fn, last_phase = GraphedTrainStep(step_fn, run.optimizer, run.guard), "graph"
+    bar = tqdm(total=length.total_steps, initial=length.start_step, unit="step",
+               dynamic_ncols=True, file=sys.stderr,
+               disable=None if run.ctx.info.is_main and run.ctx.cfg.train.progress else True)
+    progress = Progress(logged_step=length.start_step)
     batches = micro_batches(run)
-    run.model.train()
-    run.timer.restart()
-    for step in range(run.start_step + 1, run.stop_step + 1):
+    run.parts.model.train()
+    timer.restart()
+    for step in range(length.start_step + 1, length.stop_step + 1):
         run.faults.on_step(step)  # fault.* injection (tests, demos); off by default
-        run.heartbeat.beat(step)  # (after it: a rank that hangs there never began the step)
-        tracing = run.tracer is not None and run.tracer.begin_step(step)
+        run.ctx.heartbeat.beat(step)  # (after it: a rank that hangs there never began the step)
+        tracing = tracer is not None and tracer.begin_step(step)
         batch = next(batches)
-        run.timer.mark("data")
-        step_fn(step, batch, run.timer.mark)
+        timer.mark("data")
+        run.step(step, batch, timer.mark)
         run.scheduler.step()
-        run.timer.mark(last_phase)
-        run.timer.note("comm_busy", run.sync.comm_busy_ms())  # NaN where it cannot measure it
-        marks = run.timer.end_step(keep=tracing)
+        timer.mark(run.step.last_phase)
+        timer.note("comm_busy", run.parts.sync.comm_busy_ms())  # NaN where it cannot measure it
+        marks = timer.end_step(keep=tracing)
         if tracing:
-            run.tracer.marks(marks)
+            tracer.marks(marks)
         bar.update(1)
-        if after_step(run, step, bar):
-            run.timer.restart()  # that work's time is not step time
+        if after_step(run, progress, step, bar):
+            timer.restart()  # that work's time is not step time
     bar.close()
-    if run.stop_step < run.total_steps:
+    if length.stop_step < length.total_steps:
         log.info("stopped at step %d of %d (train.stop_at_step): run the same command without it "
-                 "to continue from the checkpoint", run.stop_step, run.total_steps)
-    if run.start_step >= run.stop_step:
+                 "to continue from the checkpoint", length.stop_step, length.total_steps)
+    if length.start_step >= length.stop_step:
         log.info("nothing to do: the checkpoint in %s is already at step %d of %d "
                  "(use train.resume=never or another hydra.run.dir to train again)",
-                 run.run_dir, run.start_step, run.stop_step)
-        evaluate(run, run.start_step)
+                 run.ctx.run_dir, length.start_step, length.stop_step)
+        evaluate(run, progress, length.start_step)
+    return progress
 
 
 def micro_batches(run: Run) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each step's micro-batches, from the resumed position on, epoch after epoch."""
-    accum = run.cfg.train.accum_steps
-    epoch, step_in_epoch = divmod(run.start_step, run.steps_per_epoch)
+    accum, spe = run.ctx.cfg.train.accum_steps, run.length.steps_per_epoch
+    epoch, step_in_epoch = divmod(run.length.start_step, spe)
     while True:
         batches = run.data.train.epoch(epoch, start_batch=step_in_epoch * accum)
-        for _ in range(step_in_epoch, run.steps_per_epoch):
-            yield [(x.contiguous(memory_format=run.memory_format), y)
+        for _ in range(step_in_epoch, spe):
+            yield [(x.contiguous(memory_format=run.parts.memory_format), y)
                    for x, y in (next(batches) for _ in range(accum))]
         epoch, step_in_epoch = epoch + 1, 0
 
 
-def train_step(run: Run, step: int, batches: list, mark: Callable[[str], None]) -> None:
-    """One optimizer step's device work: forward and backward of each micro-batch, the gradient
-    sync, the guard, the optimizer. With train.cuda_graph this is what is captured and replayed.
-    AMP order: forward -> scaled backward -> sync -> unscale -> clip -> step -> update."""
-    accum = run.cfg.train.accum_steps
-    for micro, (x, y) in enumerate(batches):
-        last = micro == accum - 1  # only the last micro-step communicates
-        with contextlib.nullcontext() if last else run.sync.no_sync():
-            with run.precision.autocast():
-                loss = F.cross_entropy(run.train_model(x), y)
-            if accum > 1:  # (one op fewer otherwise: small models are host-bound)
-                loss = loss / accum
-            mark("forward")
-            run.precision.scaler.scale(loss).backward()  # the last one starts the gradient sync
-            mark("backward")
-        run.loss_sum.add_(loss.detach())
-    run.sync.finish()  # gradients averaged over ranks from here on
-    mark("comm")
-    run.guard.after_sync(step, loss, run.optimizer)  # inf/NaN: skip on every rank, or stop
-    mark("guard")
-    if run.cfg.optim.grad_clip > 0:
-        run.precision.scaler.unscale_(run.optimizer)
-        run.sync.clip_grad_norm_(run.optimizer, run.cfg.optim.grad_clip)  # ZeRO: over all shards
-    run.precision.scaler.step(run.optimizer)  # skipped on every rank alike if grads hold inf/NaN
-    run.precision.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-
-
-def after_step(run: Run, step: int, bar) -> bool:
+def after_step(run: Run, progress: Progress, step: int, bar) -> bool:
     """What is due after `step`; returns whether anything ran (its time is not step time)."""
-    tcfg, spe = run.cfg.train, run.steps_per_epoch
+    tcfg, length = run.ctx.cfg.train, run.length
+    spe = length.steps_per_epoch
     end_of_epoch = step % spe == 0
-    log_now = step % tcfg.log_every == 0 or step == run.stop_step
-    eval_now = step == run.total_steps or (
+    log_now = step % tcfg.log_every == 0 or step == length.stop_step
+    eval_now = step == length.total_steps or (
         end_of_epoch and tcfg.eval_every_epochs and (step // spe) % tcfg.eval_every_epochs == 0)
-    checkpoint_now = step == run.stop_step or (
+    checkpoint_now = step == length.stop_step or (
         tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0) or (
         not tcfg.checkpoint_every and end_of_epoch)
     if log_now:
-        log_window(run, step, bar)
+        log_window(run, progress, step, bar)
     if eval_now:
-        evaluate(run, step)
+        evaluate(run, progress, step)
     # Non-finite verdicts are read where the host syncs anyway: log steps, checkpoints, the end.
     checked = run.guard.end_step(step, sync_point=log_now or checkpoint_now)
     if checkpoint_now:
@@ -373,137 +316,73 @@ def after_step(run: Run, step: int, bar) -> bool:
     return log_now or eval_now or checkpoint_now or checked
 
 
-def log_window(run: Run, step: int, bar) -> None:
+def log_window(run: Run, progress: Progress, step: int, bar) -> None:
     """The steps since the last log line: mean loss over every rank, throughput, phase medians."""
-    dist.all_reduce(run.loss_sum)  # the global batch's loss: (sum over ranks) / ranks
-    steps = step - run.logged_step
-    mean_loss = run.loss_sum.item() / (steps * run.info.world_size)  # waits for the device
-    run.loss_sum.zero_()
-    run.logged_step = step
+    loss_sum, world_size = run.step.loss_sum, run.ctx.info.world_size
+    dist.all_reduce(loss_sum)  # the global batch's loss: (sum over ranks) / ranks
+    steps = step - progress.logged_step
+    mean_loss = loss_sum.item() / (steps * world_size)  # waits for the device
+    loss_sum.zero_()
+    progress.logged_step = step
     metrics = {"train/loss": mean_loss, "train/lr": float(run.scheduler.get_last_lr()[0]),
-               "train/epoch": step / run.steps_per_epoch}
-    timed = run.timer.window()  # after the wait above: every step of the window has finished
+               "train/epoch": step / run.length.steps_per_epoch}
+    timed = run.rec.timer.window()  # after the wait above: every step of the window has finished
     if timed:  # none in warm-up
         total_s = sum(s["step"] for s in timed) / 1e3
-        metrics["throughput/img_per_s"] = len(timed) * run.global_batch / total_s
+        metrics["throughput/img_per_s"] = len(timed) * run.length.global_batch / total_s
         metrics["time/step_ms"] = total_s / len(timed) * 1e3
-        phases = with_exposed_comm(medians(timed), run.local_backward_ms,
-                                   run.cfg.train.accum_steps)
+        phases = with_exposed_comm(medians(timed), run.rec.local_backward_ms,
+                                   run.ctx.cfg.train.accum_steps)
         metrics.update({f"time/{k}_ms": v for k, v in phases.items() if k != "step"})
-    if run.precision.scaler.is_enabled():
-        metrics["precision/loss_scale"] = run.precision.scaler.get_scale()
-    run.logger.log(step, metrics)
+    scaler = run.parts.precision.scaler
+    if scaler.is_enabled():
+        metrics["precision/loss_scale"] = scaler.get_scale()
+    run.rec.logger.log(step, metrics)
     speed = (f"{metrics['throughput/img_per_s']:.0f} img/s" if timed else "warming up")
     bar.set_postfix(loss=f"{mean_loss:.3f}", speed=speed)
     if bar.disable:
-        log.info("step %d/%d: loss %.4f, %s", step, run.total_steps, mean_loss, speed)
+        log.info("step %d/%d: loss %.4f, %s", step, run.length.total_steps, mean_loss, speed)
 
 
-def evaluate(run: Run, step: int) -> None:
+def evaluate(run: Run, progress: Progress, step: int) -> None:
     """Validation loss and accuracy over every sample once, reduced as (sum, count)."""
-    run.model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=run.info.device)  # loss, correct, count
-    with torch.no_grad(), run.precision.autocast():
+    model, info = run.parts.model, run.ctx.info
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss, correct, count
+    with torch.no_grad(), run.parts.precision.autocast():
         for x, y in run.data.val.epoch(0):
-            logits = run.model(x.contiguous(memory_format=run.memory_format))
+            logits = model(x.contiguous(memory_format=run.parts.memory_format))
             totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
             totals[1] += (logits.argmax(1) == y).sum()
             totals[2] += len(y)
     dist.all_reduce(totals)  # SUM: ReduceOp.AVG is NCCL-only
-    run.model.train()
+    model.train()
     loss_sum, correct, count = totals.tolist()
-    run.val_loss, run.val_accuracy = loss_sum / count, correct / count
-    run.logger.log(step, {"val/loss": run.val_loss, "val/accuracy": run.val_accuracy})
+    progress.val_loss, progress.val_accuracy = loss_sum / count, correct / count
+    run.rec.logger.log(step, {"val/loss": progress.val_loss, "val/accuracy": progress.val_accuracy})
     log.info("step %d epoch %.1f: val loss %.4f, accuracy %.4f", step,
-             step / run.steps_per_epoch, run.val_loss, run.val_accuracy)
+             step / run.length.steps_per_epoch, progress.val_loss, progress.val_accuracy)
 
 
 def save_checkpoint(run: Run, step: int) -> None:
     """Rank 0 writes everything the next step depends on; every rank waits until it is on disk."""
-    assert_finite(run.model, run.optimizer, step)  # a NaN never reaches a checkpoint
-    rng = checkpoint.gather_rng_states(run.info.device)
-    optimizer = run.sync.optimizer_state(run.optimizer)  # collective: ZeRO gathers the shards
-    if run.info.is_main:
-        spe, accum = run.steps_per_epoch, run.cfg.train.accum_steps
-        state = {"model": run.model.state_dict(),
-                 **float_lrs(run.optimizer, run.scheduler, optimizer),
-                 "scaler": run.precision.scaler.state_dict(), "step": step, "epoch": step // spe,
-                 "epoch_batch": (step % spe) * accum, "rng": rng,
-                 "config_digest": checkpoint.config_digest(run.cfg_dict, run.info.world_size),
-                 "world_size": run.info.world_size,
-                 "resume_config": checkpoint.resume_config(run.cfg_dict, run.info.world_size)}
-        paths = checkpoint.save(state, run.run_dir, step, run.cfg.train.keep_every)
+    parts, ctx = run.parts, run.ctx
+    assert_finite(parts.model, parts.optimizer, step)  # a NaN never reaches a checkpoint
+    rng = checkpoint.gather_rng_states(ctx.info.device)
+    optimizer = parts.sync.optimizer_state(parts.optimizer)  # collective: ZeRO gathers the shards
+    if ctx.info.is_main:
+        spe, accum = run.length.steps_per_epoch, ctx.cfg.train.accum_steps
+        state = {"model": parts.model.state_dict(),
+                 **float_lrs(parts.optimizer, run.scheduler, optimizer),
+                 "scaler": parts.precision.scaler.state_dict(), "step": step,
+                 "epoch": step // spe, "epoch_batch": (step % spe) * accum, "rng": rng,
+                 "config_digest": checkpoint.config_digest(ctx.cfg_dict, ctx.info.world_size),
+                 "world_size": ctx.info.world_size,
+                 "resume_config": checkpoint.resume_config(ctx.cfg_dict, ctx.info.world_size)}
+        paths = checkpoint.save(state, ctx.run_dir, step, ctx.cfg.train.keep_every)
         log.info("step %d: checkpoint saved (%s)", step,
                  ", ".join(os.path.basename(p) for p in paths))
     dist.barrier()  # nobody runs ahead of a checkpoint that is not on disk yet
-
-
-# ---- 3. the summary ---------------------------------------------------------------------------
-
-def write_summary(run: Run) -> dict:
-    """summary.json (rank 0) and TensorBoard's hparams: what the run measured, over all ranks."""
-    timing = run.timer.summary()
-    time_ms = {k[:-3]: v for k, v in timing.items() if k.endswith("_ms")}
-    cfg, info = run.cfg, run.info
-    summary = {
-        "world_size": info.world_size, "backend": info.backend, "device": str(info.device),
-        "model": cfg.model.name, "data": cfg.data.name, "sync": cfg.sync.name,
-        "precision": cfg.precision.name, "per_rank_batch": cfg.train.batch_size,
-        "accum_steps": cfg.train.accum_steps, "global_batch": run.global_batch,
-        "steps": run.stop_step, "total_steps": run.total_steps,
-        "stopped_early": run.stop_step < run.total_steps,
-        "train_img_per_s": (run.global_batch * timing["timed_steps"] / timing["timed_total_s"]
-                            if timing.get("timed_total_s") else math.nan),
-        "val_accuracy": run.val_accuracy, "val_loss": run.val_loss,
-        "time_ms": with_exposed_comm(time_ms, run.local_backward_ms, cfg.train.accum_steps),
-        "timed_steps": timing.get("timed_steps", 0),
-        "rank_step_ms": _gather_floats(timing.get("step_ms", math.nan), info.device),
-        "comm_bytes_per_step": run.sync.bytes_per_step(),
-        "comm": run.sync.comm_stats(),
-        "parameters": sum(p.numel() for p in run.model.parameters()),
-        "memory": memory_block(run),
-        "compiled_graphs": compiled_graphs() - run.compiled_before,
-        **run.guard.summary(),
-    }
-    if run.tracer is not None:  # collective
-        if run.tracer.first > run.stop_step:
-            log.warning("train.trace: the run ends before step %d, the first after the timing "
-                        "warm-up: nothing traced", run.tracer.first)
-        summary["overlap"] = trace.write(run.tracer, run.run_dir, info.is_main)
-    if info.device.type == "cuda":
-        summary["max_memory_allocated_GiB"] = torch.cuda.max_memory_allocated(info.device) / 2**30
-    if info.is_main:
-        with open(os.path.join(run.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        run.logger.hparams(
-            {"world_size": info.world_size, "sync": cfg.sync.name, "precision": cfg.precision.name,
-             "global_batch": run.global_batch, "lr": cfg.optim.lr, "model": cfg.model.name},
-            {"hparam/val_accuracy": run.val_accuracy, "hparam/val_loss": run.val_loss,
-             "hparam/train_img_per_s": summary["train_img_per_s"]})
-        log.info("done: %d steps, val accuracy %.4f, %.0f img/s -> %s", run.stop_step,
-                 run.val_accuracy, summary["train_img_per_s"], run.run_dir)
-    return summary
-
-
-def memory_block(run: Run) -> dict:
-    """Collective: the bytes each rank held (lists by rank, counted), and those predicted."""
-    every = [None] * run.info.world_size
-    dist.all_gather_object(every, run.memory.counted)
-    counted = {k: [None if c is None else c[k] for c in every] for k in MEMORY_KEYS}
-    params = [p.numel() for p in run.model.parameters()]
-    s, o = run.cfg.sync, run.cfg.optim
-    states = {"adamw": 2, "sgd": int(o.momentum > 0)}[o.name]
-    comm_elem = element_size(s.comm_dtype)
-    predicted = predict_held(sum(params), max(params), run.info.world_size, s.name, s.zero,
-                             states, s.bucket_mb * 2**20, comm_elem)
-    return {**counted, "predicted": predicted, "zero": s.zero}
-
-
-def _gather_floats(value: float, device) -> list[float]:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [o.item() for o in out]
 
 
 def main() -> None:

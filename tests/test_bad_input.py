@@ -153,7 +153,7 @@ def test_compile_where_it_cannot_work_is_refused_up_front(monkeypatch):
 
     import torch._dynamo
 
-    from ddp_lab.train import compile_model
+    from ddp_lab.step import compile_model
     model, cpu = torch.nn.Linear(2, 2), torch.device("cpu")
     with monkeypatch.context() as m:
         m.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)

@@ -40,7 +40,6 @@ heuristic, see `is_tensor_core_kernel`.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import os
@@ -51,13 +50,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from ddp_lab.bench.common import (back_to_back_ms, plot_lines, report, resolve_device, sync,
                                   write_info, write_rows)
 from ddp_lab.cli import compose
 from ddp_lab.config import ConfigError
 from ddp_lab.graph import EAGER_CALLS, GraphedStep
-from ddp_lab.precision import AUTOCAST_DTYPES
+from ddp_lab.dist import DistInfo
+from ddp_lab.step import build_parts
 
 
 @dataclass
@@ -118,39 +119,25 @@ def row_overrides(model: str, precision: str, channels_last: bool, compile_: boo
 
 # ---- the bare reference loop -------------------------------------------------------------------
 
-def make_bare_step(cfg, device: torch.device, compile_: bool):
-    """The whole reference training step, from the composed config's values (so both loops use
-    the same model, dropout, precision flags and optimizer hyper-parameters). Returns (step, batch)."""
-    from ddp_lab.models import build_model
-
-    torch.manual_seed(cfg.seed)
-    torch.backends.cuda.matmul.allow_tf32 = cfg.precision.tf32
-    torch.backends.cudnn.allow_tf32 = cfg.precision.tf32
-    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
-    fmt = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
-    classes, size, batch = cfg.model.default_classes, cfg.model.image_size, cfg.train.batch_size
-    model = build_model(cfg.model.name, classes, cfg.model.dropout,
-                        cfg.model.stem, cfg.model.fc_width).to(device, memory_format=fmt)
-    o = cfg.optim
-    opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
-                          weight_decay=o.weight_decay,
-                          **({"fused": True} if device.type == "cuda" else {}))
-    amp_dtype = AUTOCAST_DTYPES[cfg.precision.autocast_dtype]
-    scaler = torch.amp.GradScaler(device.type, init_scale=cfg.precision.init_scale,
-                                  enabled=cfg.precision.grad_scaler)
-    if compile_:
+def make_bare_step(cfg, device: torch.device):
+    """The whole reference training step: its parts built as the ddp_lab side builds its own
+    (ddp_lab.step.build_parts: the same model, dropout, precision flags, optimizer and compile),
+    then run bare on one fixed random batch. Returns (step, batch)."""
+    cfg = OmegaConf.to_object(cfg)
+    if cfg.train.compile:
         torch._dynamo.reset()  # each compiled model starts fresh (no cache-limit fallback to eager)
-    fwd = torch.compile(model, mode=cfg.train.compile_mode) if compile_ else model
-    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=fmt)
+    classes, size, batch = cfg.model.default_classes, cfg.model.image_size, cfg.train.batch_size
+    p = build_parts(cfg, DistInfo(0, 0, 1, 1, "none", device), classes)
+    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=p.memory_format)
     y = torch.randint(0, classes, (batch,), device=device)
 
     def step() -> torch.Tensor:
-        with (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()):
-            loss = F.cross_entropy(fwd(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+        with p.precision.autocast():
+            loss = F.cross_entropy(p.train_model(x), y)
+        p.precision.scaler.scale(loss).backward()
+        p.precision.scaler.step(p.optimizer)
+        p.precision.scaler.update()
+        p.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     if cfg.train.cuda_graph:  # the same step, captured after GraphedStep's eager calls
@@ -162,7 +149,7 @@ def make_bare_step(cfg, device: torch.device, compile_: bool):
 def bare_loop(cfg, device: torch.device, steps: int, warmup: int) -> dict:
     """Time `steps` reference steps after `warmup`: img/s (mean and median), peak memory."""
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    step, batch = make_bare_step(cfg, device, cfg.train.compile)
+    step, batch = make_bare_step(cfg, device)
     if cfg.train.cuda_graph:  # captured within the warm-up, like the ddp_lab side
         warmup = max(warmup, EAGER_CALLS + 1)
     for _ in range(warmup):
@@ -244,7 +231,7 @@ def profile_pass(cfg, device: torch.device, steps: int, top_k: int) -> tuple[lis
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    step, _ = make_bare_step(cfg, device, compile_=False)
+    step, _ = make_bare_step(cfg, device)
     for _ in range(3):
         step()
     sync(device)

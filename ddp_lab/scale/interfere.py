@@ -46,9 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ddp_lab.cost import network as net
+from ddp_lab.step import TrainStep, build_parts
 from ddp_lab.dtypes import element_size
 from ddp_lab.sync.bucketed import comm_thread_init
 
@@ -69,40 +69,38 @@ def point_config(overrides: list[str]):
 
 @dataclasses.dataclass
 class Bench:
-    """What one rank computes with: the point's model, batch, optimizer and non-finite check."""
-    model: torch.nn.Module
+    """What one rank computes with: the point's step (model, batch, precision, optimizer,
+    non-finite check: ddp_lab.step), without its sync, whose communication the probe runs apart."""
+    step: TrainStep
     x: torch.Tensor
     y: torch.Tensor
-    precision: object
-    optimizer: torch.optim.Optimizer
-    guard: object
-    device: torch.device
     ready: dict = dataclasses.field(default_factory=dict)  # param index -> host time (recording)
     recording: bool = False
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.step.parts.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
 
 
 def build_bench(cfg, info) -> Bench:
     from ddp_lab.data import build_data
     from ddp_lab.guard import Guard
-    from ddp_lab.models import build_model
-    from ddp_lab.optim import build_optimizer
-    from ddp_lab.precision import setup_precision
+    from ddp_lab.sync import NoSync
 
-    torch.manual_seed(cfg.seed)
     data = build_data(cfg, info.rank, info.world_size, info.device)
-    fmt = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
-    model = build_model(cfg.model.name, data.num_classes, cfg.model.dropout, cfg.model.stem,
-                        cfg.model.fc_width)
-    model = model.to(info.device, memory_format=fmt)
-    x, y = next(data.train.epoch(0))
-    precision = setup_precision(cfg.precision, info.device, cfg.train.cudnn_benchmark)
-    optimizer = build_optimizer(cfg.optim, model.parameters(), info.device)
-    # The loop's own check, as at world size 1: its collective part is priced by the fit.
+    # The loop's own step, as at world size 1: the collective part of its check is priced by the
+    # fit, and its gradient sync is what the probe's conditions run beside it.
     alone = dataclasses.replace(info, rank=0, world_size=1, local_world_size=1)
-    guard = Guard(cfg.train, alone, model, precision.scaler, 10 ** 9)
-    bench = Bench(model, x.contiguous(memory_format=fmt), y, precision, optimizer, guard,
-                  info.device)
-    for i, p in enumerate(model.parameters()):
+    parts = build_parts(cfg, alone, data.num_classes, sync=NoSync())
+    guard = Guard(cfg.train, alone, parts.model, parts.precision.scaler, 10 ** 9)
+    x, y = next(data.train.epoch(0))
+    bench = Bench(TrainStep(parts, guard, 1, cfg.optim.grad_clip),
+                  x.contiguous(memory_format=parts.memory_format), y)
+    for i, p in enumerate(parts.model.parameters()):
         p.register_post_accumulate_grad_hook(lambda _p, i=i: _stamp(bench, i))
     return bench
 
@@ -127,19 +125,13 @@ def compute(b: Bench, optimizer: bool = True) -> dict[str, float]:
         now = time.perf_counter()
         out[phase], t = (now - t) * 1e3, now
 
-    with b.precision.autocast():
-        loss = F.cross_entropy(b.model(b.x), b.y)
-    mark("forward")
-    b.precision.scaler.scale(loss).backward()
-    mark("backward")
+    loss = b.step.forward_backward([(b.x, b.y)], mark)
     if optimizer:
-        b.guard.after_sync(1, loss, b.optimizer)
-        mark("guard")
-        b.precision.scaler.step(b.optimizer)
-        b.precision.scaler.update()
+        b.step.update(1, loss, mark)
         mark("optim")
-        b.guard._pending.clear()  # noqa: SLF001 - verdicts are never read here
-    b.optimizer.zero_grad(set_to_none=True)
+        b.step.guard._pending.clear()  # noqa: SLF001 - verdicts are never read here
+    else:
+        b.model.zero_grad(set_to_none=True)
     return out
 
 
@@ -323,7 +315,6 @@ def main() -> None:
     cfg = point_config(argv[cut + 1:])
     info = init_group(cfg.dist.backend, cfg.dist.timeout_s)
     try:
-        torch.manual_seed(cfg.seed)
         b = build_bench(cfg, info)
         params = [q for q in b.model.parameters()]
         dtype = comm_dtype(cfg.sync.comm_dtype) or params[0].dtype

@@ -1,0 +1,98 @@
+"""The end of a training run: summary.json (rank 0) and TensorBoard's hparams, what the run measured
+over all ranks: throughput over timed steps only, the phase medians with the exposed
+communication, every rank's step time, the bytes sent, the memory held (counted) beside the
+memory predicted, the guard's counts, and with train.trace the timeline's overlap block."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from ddp_lab import trace
+from ddp_lab.cost.memory import MEMORY_KEYS, predict_held
+from ddp_lab.dtypes import element_size
+from ddp_lab.metrics import with_exposed_comm
+from ddp_lab.step import compiled_graphs
+
+log = logging.getLogger("ddp_lab")
+
+
+def write_summary(run, progress) -> dict:
+    """Collective: the summary of `run` (ddp_lab.train.Run) after the loop's `progress`; rank 0
+    writes it."""
+    ctx, length, parts = run.ctx, run.length, run.parts
+    cfg, info = ctx.cfg, ctx.info
+    timing = run.rec.timer.summary()
+    time_ms = {k[:-3]: v for k, v in timing.items() if k.endswith("_ms")}
+    summary = {
+        "world_size": info.world_size, "backend": info.backend, "device": str(info.device),
+        "model": cfg.model.name, "data": cfg.data.name, "sync": cfg.sync.name,
+        "precision": cfg.precision.name, "per_rank_batch": cfg.train.batch_size,
+        "accum_steps": cfg.train.accum_steps, "global_batch": length.global_batch,
+        "steps": length.stop_step, "total_steps": length.total_steps,
+        "stopped_early": length.stop_step < length.total_steps,
+        "train_img_per_s": (length.global_batch * timing["timed_steps"] / timing["timed_total_s"]
+                            if timing.get("timed_total_s") else math.nan),
+        "val_accuracy": progress.val_accuracy, "val_loss": progress.val_loss,
+        "time_ms": with_exposed_comm(time_ms, run.rec.local_backward_ms, cfg.train.accum_steps),
+        "timed_steps": timing.get("timed_steps", 0),
+        "rank_step_ms": _gather_floats(timing.get("step_ms", math.nan), info.device),
+        "comm_bytes_per_step": parts.sync.bytes_per_step(),
+        "comm": parts.sync.comm_stats(),
+        "parameters": sum(p.numel() for p in parts.model.parameters()),
+        "memory": memory_block(run),
+        "compiled_graphs": compiled_graphs() - run.rec.compiled_before,
+        **run.guard.summary(),
+    }
+    tracer = run.rec.tracer
+    if tracer is not None:  # collective
+        if tracer.first > length.stop_step:
+            log.warning("train.trace: the run ends before step %d, the first after the timing "
+                        "warm-up: nothing traced", tracer.first)
+        summary["overlap"] = trace.write(tracer, ctx.run_dir, info.is_main)
+    if info.device.type == "cuda":
+        summary["max_memory_allocated_GiB"] = torch.cuda.max_memory_allocated(info.device) / 2**30
+    if info.is_main:
+        _write(run, progress, summary)
+    return summary
+
+
+def _write(run, progress, summary: dict) -> None:
+    """Rank 0: summary.json, TensorBoard's hparams and the last log line."""
+    ctx = run.ctx
+    cfg = ctx.cfg
+    with open(os.path.join(ctx.run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    run.rec.logger.hparams(
+        {"world_size": ctx.info.world_size, "sync": cfg.sync.name, "precision": cfg.precision.name,
+         "global_batch": run.length.global_batch, "lr": cfg.optim.lr, "model": cfg.model.name},
+        {"hparam/val_accuracy": progress.val_accuracy, "hparam/val_loss": progress.val_loss,
+         "hparam/train_img_per_s": summary["train_img_per_s"]})
+    log.info("done: %d steps, val accuracy %.4f, %.0f img/s -> %s", run.length.stop_step,
+             progress.val_accuracy, summary["train_img_per_s"], ctx.run_dir)
+
+
+def memory_block(run) -> dict:
+    """Collective: the bytes each rank held (lists by rank, counted), and those predicted."""
+    info, cfg = run.ctx.info, run.ctx.cfg
+    every = [None] * info.world_size
+    dist.all_gather_object(every, run.rec.memory.counted)
+    counted = {k: [None if c is None else c[k] for c in every] for k in MEMORY_KEYS}
+    params = [p.numel() for p in run.parts.model.parameters()]
+    s, o = cfg.sync, cfg.optim
+    states = {"adamw": 2, "sgd": int(o.momentum > 0)}[o.name]
+    predicted = predict_held(sum(params), max(params), info.world_size, s.name, s.zero,
+                             states, s.bucket_mb * 2**20, element_size(s.comm_dtype))
+    return {**counted, "predicted": predicted, "zero": s.zero}
+
+
+def _gather_floats(value: float, device) -> list[float]:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.item() for o in out]
