@@ -81,7 +81,8 @@ def by_label(blocks: list[dict]) -> list[dict]:
 
 def measure(cfg, stage: int, precision: str, out_dir: str) -> None:
     from ddp_lab.bench import memory_fit
-    from ddp_lab.bench.train_throughput import ddp_loop, free_memory
+    from ddp_lab.bench.bare import free_memory
+    from ddp_lab.bench.train_throughput import ddp_loop
 
     device = torch.device("cuda")
     free_memory(device)

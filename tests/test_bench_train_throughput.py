@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from ddp_lab.bench.train_throughput import is_tensor_core_kernel, paired_ratios
+from ddp_lab.bench.kernels import is_tensor_core_kernel
+from ddp_lab.bench.train_throughput import paired_ratios
 from helpers import bench_rows, launch_together, ranks
 
 

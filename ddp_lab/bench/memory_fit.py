@@ -178,7 +178,8 @@ def _image_shape(cfg) -> tuple[int, int]:
 
 def measure_rows(cfg) -> list[dict]:
     """Predicted (ddp_lab.cost.memory) vs measured peak memory of the bare training loop."""
-    from ddp_lab.bench.train_throughput import bare_loop, row_overrides
+    from ddp_lab.bench.bare import bare_loop
+    from ddp_lab.bench.train_throughput import row_overrides
     from ddp_lab.cli import compose
     from ddp_lab.models import MODELS
 
@@ -209,7 +210,8 @@ def measure_zero_rows(cfg, run_dir: str) -> list[dict]:
     predicted and measured. At N=1 a shard is the whole, so the stages differ only by what each
     keeps besides the shards: the buckets, and (zero>=1) the shards' gradients beside the
     model's, which finish() releases only after backward."""
-    from ddp_lab.bench.train_throughput import ddp_loop, free_memory
+    from ddp_lab.bench.bare import free_memory
+    from ddp_lab.bench.train_throughput import ddp_loop
 
     device = resolve_device(cfg.device)
     rows = []

@@ -13,7 +13,7 @@ The two sides of a row:
   conf/ like the CLI would; its `train_img_per_s` counts timed steps only (its StepTimer: CUDA
   events, `timing_warmup` steps left out, and the clock restarted after evaluation and
   checkpointing, which therefore do not count).
-- bare: the loop in `bare_loop` below, the reference: one fixed random batch on the device,
+- bare: `bare_loop` (ddp_lab/bench/bare.py), the reference: one fixed random batch on the device,
   autocast forward, (scaled) backward, optimizer step, zero_grad(set_to_none). CUDA events at each
   step boundary (no host sync inside the timed steps), warm-up steps left out.
 img/s = batch * steps / sum(step times) for both (`ratio`: of the medians over repeats), and
@@ -35,30 +35,24 @@ loop's steps reached (`torch.cuda.max_memory_allocated`, CUDA only).
 
 Profile (`profile=true`): a torch.profiler pass of the bare loop per precision (eager, first
 batch and channels_last value), listing the top CUDA kernels by time. `tensor_core` is a name
-heuristic, see `is_tensor_core_kernel`.
+heuristic, see `ddp_lab.bench.kernels.is_tensor_core_kernel`.
 """
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import statistics
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
-from ddp_lab.bench.common import (back_to_back_ms, plot_lines, report, resolve_device, sync,
-                                  write_info, write_rows)
+from ddp_lab.bench.bare import bare_loop, free_memory
+from ddp_lab.bench.common import plot_lines, report, resolve_device, write_info, write_rows
+from ddp_lab.bench.kernels import profile_pass
 from ddp_lab.cli import compose
 from ddp_lab.config import ConfigError
-from ddp_lab.graph import EAGER_CALLS, GraphedStep
-from ddp_lab.dist import DistInfo
-from ddp_lab.step import build_parts
 
 
 @dataclass
@@ -117,54 +111,6 @@ def row_overrides(model: str, precision: str, channels_last: bool, compile_: boo
             f"dist.backend={'nccl' if device.type == 'cuda' else 'gloo'}", f"seed={seed}", *extra]
 
 
-# ---- the bare reference loop -------------------------------------------------------------------
-
-def make_bare_step(cfg, device: torch.device):
-    """The whole reference training step: its parts built as the ddp_lab side builds its own
-    (ddp_lab.step.build_parts: the same model, dropout, precision flags, optimizer and compile),
-    then run bare on one fixed random batch. Returns (step, batch)."""
-    cfg = OmegaConf.to_object(cfg)
-    if cfg.train.compile:
-        torch._dynamo.reset()  # each compiled model starts fresh (no cache-limit fallback to eager)
-    classes, size, batch = cfg.model.default_classes, cfg.model.image_size, cfg.train.batch_size
-    p = build_parts(cfg, DistInfo(0, 0, 1, 1, "none", device), classes)
-    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=p.memory_format)
-    y = torch.randint(0, classes, (batch,), device=device)
-
-    def step() -> torch.Tensor:
-        with p.precision.autocast():
-            loss = F.cross_entropy(p.train_model(x), y)
-        p.precision.scaler.scale(loss).backward()
-        p.precision.scaler.step(p.optimizer)
-        p.precision.scaler.update()
-        p.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    if cfg.train.cuda_graph:  # the same step, captured after GraphedStep's eager calls
-        graphed = GraphedStep(step)
-        return (lambda: graphed()[1]), batch
-    return step, batch
-
-
-def bare_loop(cfg, device: torch.device, steps: int, warmup: int) -> dict:
-    """Time `steps` reference steps after `warmup`: img/s (mean and median), peak memory."""
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    step, batch = make_bare_step(cfg, device)
-    if cfg.train.cuda_graph:  # captured within the warm-up, like the ddp_lab side
-        warmup = max(warmup, EAGER_CALLS + 1)
-    for _ in range(warmup):
-        loss = step()
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times_ms, loss = back_to_back_ms(step, device, steps)
-    peak = (torch.cuda.max_memory_allocated(device) - base if device.type == "cuda"
-            else float("nan"))
-    median_ms = statistics.median(times_ms)
-    return {"img_s": batch * steps / sum(times_ms) * 1e3, "img_s_med": batch / median_ms * 1e3,
-            "step_ms_med": median_ms, "peak_mem_bytes": peak, "loss": loss.float().item()}
-
-
 def paired_ratios(ddps: list[dict], bares: list[dict]) -> dict:
     """ddp / bare img/s of each repeat (its two loops ran back to back): median and range; and
     the median of each repeat's ratio of median steps (blind to a few stalled steps)."""
@@ -190,86 +136,6 @@ def ddp_loop(cfg, run_dir: str, keep_checkpoints: bool = False) -> dict:
     return {"img_s": summary["train_img_per_s"],
             "img_s_med": summary["global_batch"] / (step_ms / 1e3) if step_ms else float("nan"),
             "step_ms_med": step_ms, "timed_steps": summary["timed_steps"], "summary": summary}
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ---- profiling ---------------------------------------------------------------------------------
-
-# A kernel runs on tensor cores if its name says it issues MMA instructions or takes 16-bit /
-# TF32 operands in a library GEMM/conv. The markers, from cuBLAS/cuDNN/CUTLASS naming:
-#   hmma (Volta/Turing/Ampere half MMA), wgmma/gmma (Hopper warpgroup MMA), tensorop (CUTLASS),
-#   s16816/16816/1688/884 (MMA instruction shapes), xmma (NVIDIA's GEMM/conv template library),
-#   cutlass, sm80_/sm90_ (arch-tuned library kernels), nvjet (Hopper cuBLASLt), and operand types
-#   bf16 / f16 / tf32 in the name.
-# They are trumped by markers of CUDA-core (SIMT) arithmetic, because xmma/sm90/cutlass kernels
-# also exist in fp32 SIMT form: ffma (fused multiply-add on CUDA cores), sgemm/dgemm (classic
-# SIMT GEMMs, e.g. ampere_sgemm_128x64_nn, implicit_convolve_sgemm), simt, and the operand types
-# f32f32_f32f32 (fp32 in, fp32 math). ATen's own kernels (at::native::..., elementwise,
-# reductions) and Inductor's pointwise/reduction Triton kernels never use tensor cores. "gemm" alone proves nothing (sgemm is SIMT).
-# It is a heuristic on names; the definitive check is Nsight Compute's tensor-pipe counters
-# (sm__pipe_tensor_op_hmma_cycles_active).
-TC_MARKERS = ("hmma", "wgmma", "gmma", "tensorop", "16816", "1688", "884", "xmma", "cutlass",
-              "sm80_", "sm86_", "sm89_", "sm90_", "sm100_", "nvjet", "bf16", "f16", "tf32")
-SIMT_MARKERS = ("ffma", "sgemm", "dgemm", "simt", "f32f32_f32f32", "at::native", "triton_poi",
-                "triton_red", "triton_per")
-
-
-def is_tensor_core_kernel(name: str) -> bool:
-    n = name.lower()
-    if any(m in n for m in SIMT_MARKERS):
-        return False
-    return any(m in n for m in TC_MARKERS)
-
-
-def profile_pass(cfg, device: torch.device, steps: int, top_k: int) -> tuple[list[dict], dict]:
-    """Profile `steps` eager bare steps; returns (top kernels or CPU ops, summary)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    step, _ = make_bare_step(cfg, device)
-    for _ in range(3):
-        step()
-    sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        sync(device)
-    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    if device.type == "cuda":
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                totals[e.name][0] += e.time_range.elapsed_us()
-                totals[e.name][1] += 1
-        if not totals:  # older/newer profilers: fall back to the averaged table's device times
-            for e in prof.key_averages():
-                t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-                if t and e.device_type == DeviceType.CUDA:
-                    totals[e.key] = [t, e.count]
-    else:
-        for e in prof.key_averages():
-            totals[e.key] = [e.self_cpu_time_total, e.count]
-    all_us = sum(t for t, _ in totals.values()) or float("nan")
-    rows = []
-    for name, (us, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
-        tc = is_tensor_core_kernel(name) if device.type == "cuda" else None
-        rows.append({"precision": cfg.precision.name, "kernel": name[:110],
-                     "calls_per_step": calls / steps, "ms_per_step": us / 1e3 / steps,
-                     "pct": 100 * us / all_us, "tensor_core": "n/a" if tc is None else ("yes" if tc else "no")})
-    tc_us = sum(us for name, (us, _) in totals.items()
-                if device.type == "cuda" and is_tensor_core_kernel(name))
-    summary = {"precision": cfg.precision.name, "channels_last": cfg.train.channels_last,
-               "batch": cfg.train.batch_size,
-               "gpu_ms_per_step" if device.type == "cuda" else "cpu_ms_per_step": all_us / 1e3 / steps,
-               "kernels": len(totals),
-               "tensor_core_pct": 100 * tc_us / all_us if device.type == "cuda" else float("nan"),
-               "top_kernel": rows[0]["kernel"][:60] if rows else ""}
-    return rows[:top_k], summary
 
 
 # ---- the benchmark -----------------------------------------------------------------------------
