@@ -137,3 +137,21 @@ def test_stop_and_resume_is_bitwise_the_uninterrupted_run(zero, launched):
     ref, run = launched(f"resume-zero{zero}")
     assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
     assert_same_training_state(run, ref)
+
+
+@pytest.mark.timeout(600)
+def test_ddp_bytes_are_counted_and_zero1_adds_its_broadcasts(launched, small_references):
+    """sync=ddp's bytes are counted where DDP hands each bucket to the backend (a comm hook) and
+    where ZeroRedundancyOptimizer broadcasts the parameters (the dispatcher): every gradient once
+    a step, every parameter once a step (fp32: 4 bytes each). Bus bytes by nccl-tests'
+    convention are the ring's per-rank bytes of that payload (comm.cost), plus the broadcasts'."""
+    from ddp_lab.comm import cost
+
+    plain, zero1 = summary(small_references["ddp"]), summary(launched("ddp-zero1"))
+    payload = 4 * plain["parameters"]
+    assert plain["comm"]["allreduce_payload_bytes"] == payload
+    assert plain["comm"]["broadcast_payload_bytes"] == 0
+    assert plain["comm_bytes_per_step"] == cost("ring", payload, 2).bytes_per_rank
+    assert zero1["comm"]["allreduce_payload_bytes"] == payload
+    assert zero1["comm"]["broadcast_payload_bytes"] == payload
+    assert zero1["comm_bytes_per_step"] == plain["comm_bytes_per_step"] + payload

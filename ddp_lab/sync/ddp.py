@@ -1,17 +1,25 @@
 """sync=ddp: torch's DistributedDataParallel, the reference every other sync is checked against;
 with sync.zero=1 its optimizer is torch's ZeroRedundancyOptimizer (ZeRO-1: each rank holds the
 state of, and updates, whole parameters assigned to it, then broadcasts them), the reference for
-sync=naive|ring|tree sync.zero=1 (ddp_lab/sync/zero.py)."""
+sync=naive|ring|tree sync.zero=1 (ddp_lab/sync/zero.py).
+
+Bytes, counted where they are handed to the backend (what the backend then sends is inside it):
+every bucket through a comm hook (torch's `allreduce_hook`, or the divide-first `compress_hook`
+for a 16-bit `sync.comm_dtype`), and with ZeRO-1 every parameter broadcast after the optimizer
+step, seen at the dispatcher (`c10d.broadcast_`). They are reported as payload bytes and as bus
+bytes by nccl-tests' convention: an all-reduce's payload x 2(N-1)/N, a broadcast's x 1, what a
+ring-family algorithm sends per rank (`comm.cost`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_lab.dtypes import DTYPES, element_size
+from ddp_lab.dtypes import DTYPES
 from ddp_lab.sync.base import GradSync
 
 
@@ -66,12 +74,61 @@ def timed_hook(hook, tracer):
     return traced
 
 
+class Handed:
+    """Payload bytes handed to the backend since the last `take()`, by collective."""
+
+    def __init__(self):
+        self.allreduce = self.broadcast = 0
+
+    def counted(self, hook):
+        """`hook` (a DDP comm hook), counting each bucket it is given."""
+        def hook_counting(process_group, bucket):
+            buffer = bucket.buffer()
+            self.allreduce += buffer.numel() * buffer.element_size()
+            return hook(process_group, bucket)
+
+        return hook_counting
+
+    def take(self) -> tuple[int, int]:
+        out, self.allreduce, self.broadcast = (self.allreduce, self.broadcast), 0, 0
+        return out
+
+
+class _Broadcasts(TorchDispatchMode):
+    """Adds to `handed.broadcast` the bytes of every tensor given to a c10d broadcast inside the
+    block: the dispatcher sees exactly what reaches the backend, whichever way the optimizer
+    cuts its parameters (one by one, or as buckets)."""
+
+    def __init__(self, handed: Handed):
+        super().__init__()
+        self.handed = handed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d.broadcast_.default:
+            self.handed.broadcast += sum(t.numel() * t.element_size() for t in args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def counting_zero_optimizer(handed: Handed):
+    """torch's ZeroRedundancyOptimizer whose step counts the parameter broadcasts it ends with."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class CountingZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+        def step(self, closure=None, **kwargs):
+            with _Broadcasts(handed):
+                return super().step(closure, **kwargs)
+
+    return CountingZeroRedundancyOptimizer
+
+
 class DDPSync(GradSync):
     name = "ddp"
 
     def __init__(self, scfg, device: torch.device, world_size: int):
         self.cfg, self.device, self.world_size = scfg, device, world_size
         self.ddp: DistributedDataParallel | None = None
+        self.handed = Handed()
+        self._last = (0, 0)  # (all-reduce, broadcast) payload bytes of the last step
 
     def prepare(self, model: nn.Module) -> nn.Module:
         self.ddp = DistributedDataParallel(
@@ -81,15 +138,18 @@ class DDPSync(GradSync):
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
         )
-        hook = None
-        if self.cfg.comm_dtype != "fp32":
-            # Divide by the world size, then cast down, then sum: see compress_hook.
-            hook = compress_hook(DTYPES[self.cfg.comm_dtype])
+        # Divide by the world size, then (16 bits: cast down, see compress_hook) sum.
+        hook = (default_hooks.allreduce_hook if self.cfg.comm_dtype == "fp32"
+                else compress_hook(DTYPES[self.cfg.comm_dtype]))
         if self.tracer is not None:
-            hook = timed_hook(hook or default_hooks.allreduce_hook, self.tracer)
-        if hook is not None:
-            self.ddp.register_comm_hook(None, hook)
+            hook = timed_hook(hook, self.tracer)
+        self.ddp.register_comm_hook(None, self.handed.counted(hook))
         return self.ddp
+
+    def finish(self) -> None:
+        # A step's bytes: from one finish() to the next, so ZeRO-1's broadcasts after a step
+        # count with the next one's all-reduces (as ddp_lab/sync/zero.py counts its gathers).
+        self._last = self.handed.take()
 
     def no_sync(self):
         return self.ddp.no_sync()
@@ -97,9 +157,8 @@ class DDPSync(GradSync):
     def build_optimizer(self, model: nn.Module, cls: type, kwargs: dict) -> torch.optim.Optimizer:
         if not self.cfg.zero:
             return super().build_optimizer(model, cls, kwargs)
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
+        zero = counting_zero_optimizer(self.handed)
+        return zero(model.parameters(), optimizer_class=cls, **kwargs)
 
     def comm_buffers(self):
         return None  # DDP's buckets live inside its C++ reducer: not counted
@@ -111,7 +170,14 @@ class DDPSync(GradSync):
         return optimizer.state_dict() if dist.get_rank() == 0 else None
 
     def bytes_per_step(self) -> int:
-        # Estimated, not counted (DDP's traffic is inside the backend): DDP's ring (NCCL or gloo) moves 2(N-1)/N of the gradient bytes per rank.
-        elem = element_size(self.cfg.comm_dtype)
-        numel = sum(p.numel() for p in self.ddp.module.parameters() if p.requires_grad)
-        return int(2 * (self.world_size - 1) / self.world_size * numel * elem)
+        """Bus bytes of the last step (nccl-tests' convention; see the module)."""
+        allreduce, broadcast = self._last
+        n = self.world_size
+        return int(allreduce * 2 * (n - 1) / n) + broadcast
+
+    def comm_stats(self) -> dict:
+        allreduce, broadcast = self._last
+        return {**super().comm_stats(), "payload_bytes_per_step": allreduce + broadcast,
+                "allreduce_payload_bytes": allreduce, "broadcast_payload_bytes": broadcast,
+                "bytes_per_step_is": "bus bytes by nccl-tests' convention: payload handed to the "
+                                     "backend x 2(N-1)/N for all-reduces, x 1 for broadcasts"}
