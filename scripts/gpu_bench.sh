@@ -12,7 +12,7 @@
 # Environment: PYTHON (default python3), BUDGET_S. ONLY="train_cifar train_stem" runs just those
 # steps (the others are listed as not selected). SMOKE=1 runs the same steps on the CPU with tiny
 # sizes (a check of this script and the benchmarks' CPU paths, not a measurement).
-set -u
+set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-outputs/gpu_bench}}
 PY=${PYTHON:-python3}
@@ -57,13 +57,13 @@ step() {
   if (( limit < 15 )); then
     printf '%-22s skipped (budget spent)\n' "$name"; printf '%s\tskipped\t0\n' "$name" >> "$OUT_DIR/steps.tsv"; return
   fi
-  local s=$(date +%s) extra=()
-  [ -n "${SMOKE:-}" ] && read -ra extra <<< "${SMOKE_ARGS[$name]}"
+  local s=$(date +%s) extra=() rc=0
+  if [ -n "${SMOKE:-}" ]; then read -ra extra <<< "${SMOKE_ARGS[$name]}"; fi
   timeout --kill-after=10 "$limit" "$PY" -m "ddp_lab.bench.$module" "hydra.run.dir=$OUT_DIR/$name" "$@" \
-    "${extra[@]}" > "$OUT_DIR/logs/$name.log" 2>&1
-  local rc=$? dt=$(( $(date +%s) - s )) status=ok
-  (( rc == 124 || rc == 137 )) && status="timeout after ${limit}s"
-  (( rc != 0 && rc != 124 && rc != 137 )) && status="failed (exit $rc)"
+    "${extra[@]}" > "$OUT_DIR/logs/$name.log" 2>&1 || rc=$?
+  local dt=$(( $(date +%s) - s )) status=ok
+  if (( rc == 124 || rc == 137 )); then status="timeout after ${limit}s"
+  elif (( rc != 0 )); then status="failed (exit $rc)"; fi
   printf '%-22s %-24s %4ds   (logs/%s.log)\n' "$name" "$status" "$dt" "$name"
   printf '%s\t%s\t%s\n' "$name" "$status" "$dt" >> "$OUT_DIR/steps.tsv"
   [ "$status" = ok ] || tail -n 5 "$OUT_DIR/logs/$name.log" | sed 's/^/    | /'
@@ -186,3 +186,5 @@ print("\nsteps: " + ", ".join(f"{s[0]} {s[1]} ({s[2]} s)" for s in steps))
 if bad:
     print("NOT OK: " + ", ".join(s[0] for s in bad) + " -> see logs/")
 EOF
+# Every step that ran must have finished: a failed or cut-short step fails the script.
+awk -F'\t' '$2 != "ok" && $2 != "not selected" {bad = 1} END {exit bad}' "$OUT_DIR/steps.tsv"

@@ -4,7 +4,7 @@
 # summary.json. Checkpoints only at the end: digits has a few steps per epoch, and a checkpoint
 # per epoch would drain the GPU's queue every few steps.
 #   scripts/gpu_check.sh [out_dir] [extra overrides...]
-set -uo pipefail
+set -euo pipefail
 OUT_DIR=${1:-${OUT:-outputs/gpu_check}}; shift || true
 mkdir -p "$OUT_DIR"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -12,9 +12,10 @@ common="data=synthetic train.max_steps=${STEPS:-60} train.checkpoint_every=${STE
 run() {  # name, overrides...
   local name=$1; shift
   python3 -m ddp_lab.train $common hydra.run.dir="$OUT_DIR/$name" "$@" "${EXTRA[@]}" > "$OUT_DIR/$name.log" 2>&1 \
-    || { echo "FAILED $name"; tail -20 "$OUT_DIR/$name.log"; }
+    || { echo "FAILED $name"; tail -20 "$OUT_DIR/$name.log"; FAILED+=("$name"); }
 }
 EXTRA=("$@")
+FAILED=()  # a failed run costs its own row only; the script still exits 1 at the end
 run fp32        model=alexnet sync=none precision=fp32 train.batch_size=256
 run tf32        model=alexnet sync=none precision=tf32 train.batch_size=256
 run fp16        model=alexnet sync=none precision=fp16 train.batch_size=256
@@ -43,3 +44,7 @@ for name in sorted(os.listdir(out)):
           f"{t.get('exposed_comm',0):8.2f} {t.get('optim',0):6.2f} {t.get('graph',0):6.2f} {t.get('data',0):6.2f} "
           f"{s.get('max_memory_allocated_GiB',0):5.1f}")
 PY
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "failed: ${FAILED[*]} (logs in $OUT_DIR)"
+  exit 1
+fi

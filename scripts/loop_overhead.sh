@@ -23,7 +23,7 @@
 #                as 1-15 unpins)
 #   ROUNDS (2), STEPS (300), WARMUP (10), REPEATS (5), RUN_TIMEOUT (300 s a run),
 #   HOST_COSTS (1; 0: skip them)
-set -u
+set -euo pipefail
 set -f  # arguments such as batches=[512] are not file patterns
 # Paths given relative to where the script is run from, made absolute before it moves.
 TREES=()
@@ -70,8 +70,8 @@ run() {
   rm -rf "$dir" "$OUT_DIR/$name.jsonl"
   (cd "$tree" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "${RUN_TIMEOUT:-300}" taskset -c "$core" \
     $PY -m ddp_lab.bench.train_throughput $ARGS $overrides hydra.run.dir="$dir") \
-    > "$OUT_DIR/$name.log" 2>&1 || echo "$name: FAILED (see $name.log)"
-  cp "$dir"/train_throughput.jsonl "$OUT_DIR/$name.jsonl" 2>/dev/null
+    > "$OUT_DIR/$name.log" 2>&1 || { echo "$name: FAILED (see $name.log)"; FAILED+=("$name"); }
+  cp "$dir"/train_throughput.jsonl "$OUT_DIR/$name.jsonl" 2>/dev/null || true
   printf '%-14s core %-3s (load %4s)  %s\n' "$name" "$core" "${load:-?}" "$($PY -c '
 import json, sys
 r = json.loads(open(sys.argv[1]).readline())
@@ -81,6 +81,7 @@ print("bare %7.0f img/s  loop %7.0f img/s  loop/bare %.3f (%.3f..%.3f), of media
 ' "$OUT_DIR/$name.jsonl" 2>/dev/null || echo "no result")" | tee -a "$OUT_DIR/summary.txt"
 }
 
+FAILED=()  # a failed run costs its own row only; the script still exits 1 at the end
 IFS=';' read -r -a VARIANT_LIST <<< "${VARIANTS:-}"
 for round in $(seq "${ROUNDS:-2}"); do
   run "this_$round" .
@@ -89,11 +90,16 @@ for round in $(seq "${ROUNDS:-2}"); do
   v=0
   for variant in "${VARIANT_LIST[@]}"; do
     v=$((v + 1)); read -r -a ov <<< "$variant"
-    [ ${#ov[@]} -gt 0 ] && run "variant${v}_$round" . "${ov[@]}"
+    if [ ${#ov[@]} -gt 0 ]; then run "variant${v}_$round" . "${ov[@]}"; fi
   done
 done
-[ "${HOST_COSTS:-1}" = 0 ] && exit 0
-taskset -c "$(idlest_core | cut -d' ' -f1)" $PY scripts/step_variants.py --net alexnet_cifar \
-  --batch 512 --host-costs --out "$OUT_DIR" > "$OUT_DIR/host_costs.log" 2>&1 \
-  || echo "host costs: FAILED (see host_costs.log)"
-tail -8 "$OUT_DIR/host_costs.log"
+if [ "${HOST_COSTS:-1}" != 0 ]; then
+  taskset -c "$(idlest_core | cut -d' ' -f1)" $PY scripts/step_variants.py --net alexnet_cifar \
+    --batch 512 --host-costs --out "$OUT_DIR" > "$OUT_DIR/host_costs.log" 2>&1 \
+    || { echo "host costs: FAILED (see host_costs.log)"; FAILED+=(host_costs); }
+  tail -8 "$OUT_DIR/host_costs.log"
+fi
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "failed: ${FAILED[*]}"
+  exit 1
+fi

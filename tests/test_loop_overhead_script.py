@@ -1,6 +1,7 @@
 """scripts/loop_overhead.sh's own logic on the CPU (tiny sizes, not a measurement): one row per
 tree and per variant, each variant's overrides reaching the ddp_lab loop, paths relative to where
-it is run from, and a failed run named (not stopping the others, not showing an old result)."""
+it is run from, and a failed run named (not stopping the others, not showing an old result,
+and failing the script at the end)."""
 
 import json
 import os
@@ -31,7 +32,9 @@ def _this_tree_a_missing_tree_and_a_variant(out):
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
 def test_rows_for_this_tree_another_tree_and_a_variant(together):
     proc, out = together["loop_overhead_script"].result()
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # The missing tree's run fails: the others still run, and the script exits 1 naming it.
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "failed: tree2_1" in proc.stdout.splitlines()[-1]
     lines = (out / "summary.txt").read_text().splitlines()
     assert [line.split()[0] for line in lines] == ["this_1", "tree1_1", "tree2_1", "variant1_1"]
     for line in (lines[0], lines[1], lines[3]):

@@ -59,6 +59,8 @@ def profile_pass(cfg, device: torch.device, steps: int, top_k: int) -> tuple[lis
                 totals[e.name][0] += e.time_range.elapsed_us()
                 totals[e.name][1] += 1
         if not totals:  # older/newer profilers: fall back to the averaged table's device times
+            print("warning: the profiler listed no CUDA events; kernel times are taken from its "
+                  "averaged table (key_averages) instead", flush=True)
             for e in prof.key_averages():
                 t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
                 if t and e.device_type == DeviceType.CUDA:

@@ -319,13 +319,16 @@ def run_profiles(cfg, b: Bench, run_dir: str) -> list[dict]:
     kernels, summaries = [], []
     for precision in b.precisions:
         tcfg = compose(row_overrides(b.model, precision, cfg.channels_last[0], False,
-                                                  b.batches[0], b.steps, b.warmup, b.device,
-                                                  cfg.seed, cfg.ddp_overrides))
+                                     b.batches[0], b.steps, b.warmup, b.device, cfg.seed,
+                                     cfg.ddp_overrides))
         free_memory(b.device)
         try:
             top, summ = profile_pass(tcfg, b.device, cfg.profile_steps, cfg.top_k)
         except Exception as e:  # a profiler that fails here must not cost the other results
-            print(f"profile of {precision} failed: {type(e).__name__}: {e}", flush=True)
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else e}"
+            print(f"warning: profile of {precision} failed ({error}); its profile_summary row "
+                  "says so", flush=True)
+            summaries.append({"precision": precision, "error": error})
             continue
         kernels += top
         summaries.append(summ)
