@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lab.dtypes import DTYPES, element_size
 from ddp_lab.sync.base import GradSync
-
+from ddp_lab.sync.config import SYNCS
 
 
 def compress_hook(dtype: torch.dtype):
@@ -66,6 +66,8 @@ def timed_hook(hook, tracer):
     return traced
 
 
+@SYNCS.register("ddp", reads=("bucket_mb", "comm_dtype", "gradient_as_bucket_view",
+                              "static_graph", "zero"))  # zero: 1 only (sync/config.py)
 class DDPSync(GradSync):
     name = "ddp"
 
