@@ -2,9 +2,9 @@
 
 Every data set is indexed: sample i is a pure function of (i, seed, epoch), whichever rank loads
 it, and the ranks' batches together are a single process's (streams.py: why a 2-rank run can be
-checked against a 1-rank run). In-memory sets (digits, synthetic, CIFAR-10) live on the training device and are
-batched by indexing, so the loader never starves a GPU; ImageFolder goes through a DataLoader
-with worker processes. In reading order:
+checked against a 1-rank run). In-memory sets (digits, synthetic, CIFAR-10) live on the training
+device and are batched by indexing, so the loader never starves a GPU; ImageFolder goes through a
+DataLoader with worker processes. In reading order:
 
     config.py   data.*'s keys, DATASETS (the names data= chooses from) and their checks
     sets.py     the data sets, each a loader registered in DATASETS
