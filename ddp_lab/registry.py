@@ -10,6 +10,11 @@ What the config checks need to know about an entry is declared with it, as keywo
 has a meaning here: `reads`, the keys of its config group an entry reads (`readers(key)`: the
 entries that read `key`), so a key that only some entries read is refused off its default where
 nothing reads it (ddp_lab/keys.py).
+
+The four today, each declared beside its entries: COLLECTIVES (ddp_lab/comm/collective.py), SYNCS
+(ddp_lab/sync/config.py), MODELS (ddp_lab/models/config.py), DATASETS (ddp_lab/data/config.py).
+A new extension point (the gradient compressors to come) is one `Registry(...)` there, a
+`key(..., choices=THAT)` in its config group, and a decorator on each entry.
 """
 
 from __future__ import annotations

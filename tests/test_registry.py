@@ -84,3 +84,19 @@ def test_keys_take_their_choices_and_scope_from_a_registry_when_checked():
     cfg.widget.name, cfg.widget.size = "sized", -1
     with pytest.raises(ConfigError, match="^widget.size=-1 must be >= 0$"):
         check_keys(cfg, Schema)
+
+
+@pytest.mark.parametrize("group", ["model", "data", "sync"])
+def test_every_registered_name_is_a_config_group_option_and_back(group):
+    """`model=x` chooses conf/model/x.yaml, whose `name: x` the registry must know: the two lists
+    are the same (a new entry needs its YAML file, a YAML file its entry)."""
+    import os
+
+    from ddp_lab.cli import CONF_DIR
+    from ddp_lab.data import DATASETS
+    from ddp_lab.models import MODELS
+    from ddp_lab.sync import SYNCS
+
+    registry = {"model": MODELS, "data": DATASETS, "sync": SYNCS}[group]
+    options = {f.removesuffix(".yaml") for f in os.listdir(os.path.join(CONF_DIR, group))}
+    assert options == set(registry)
