@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddp_lab.config import ConfigError, is_neutral
+from ddp_lab.config import is_neutral
+from ddp_lab.errors import ConfigError
 
 LATEST = "checkpoint.pt"
 TMP_SUFFIX = ".tmp"

@@ -29,6 +29,20 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab.errors import ConfigError, TrainingError
+from ddp_lab.keys import key
+
+
+@dataclass
+class DistConfig:
+    backend: str = key("auto", choices=("auto", "gloo", "nccl"))
+    # A collective that waits longer than this fails instead of hanging; at least 1
+    timeout_s: float = key(300.0, positive=True)
+
+
+def check_dist(cfg) -> None:
+    if cfg.dist.timeout_s < 1:
+        raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s:g} is too short for ranks to meet "
+                          "(connecting to the rendezvous store alone can take longer); use >= 1")
 
 
 @dataclass(frozen=True)

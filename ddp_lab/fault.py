@@ -17,12 +17,52 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
-from ddp_lab.config import ConfigError
+from ddp_lab.errors import ConfigError
+from ddp_lab.keys import key, text
 
 log = logging.getLogger("ddp_lab")
+
+
+@dataclass
+class FaultConfig:
+    """Everything off by default; a fault fires in torchrun's first attempt only, so a restarted
+    group runs clean."""
+    # the step (1-based) at which kill_rank / hang_rank / perturb_rank act
+    at_step: int = key(0, at_least=0)
+    kill_rank: int = -1  # SIGKILL this rank at fault.at_step; -1: none
+    hang_rank: int = -1  # this rank stops responding at fault.at_step; -1: none
+    hang_s: float = key(0.0, at_least=0)  # how long the hang lasts; 0: until the process is killed
+    perturb_rank: int = -1  # nudge one parameter of this rank by one ulp at fault.at_step; -1: none
+    nan_at_step: int = key(0, at_least=0)  # make the loss non-finite at this step; 0: never
+    nan_rank: int = 0  # ... on this rank only
+    nan_value: str = key("nan", choices=("nan", "inf"))
+
+
+def check_fault(cfg) -> None:
+    """Fault injection that would silently do nothing. (Ranks past the world size: `Faults`, which
+    knows it.)"""
+    f = cfg.fault
+    ranks = {k: getattr(f, k) for k in ("kill_rank", "hang_rank", "perturb_rank", "nan_rank")}
+    for name, rank in ranks.items():
+        if rank < -1 or (name == "nan_rank" and rank < 0):
+            raise ConfigError(f"fault.{name}={rank} must be a rank (>= 0)"
+                              + ("" if name == "nan_rank" else " or -1 for none"))
+    armed = max(f.kill_rank, f.hang_rank, f.perturb_rank) >= 0
+    if armed and f.at_step == 0:
+        raise ConfigError("fault.kill_rank / fault.hang_rank / fault.perturb_rank need "
+                          "fault.at_step=<step> (1-based)")
+    unread = [("fault.at_step", f.at_step, 0, "fault.kill_rank / hang_rank / perturb_rank", armed),
+              ("fault.hang_s", f.hang_s, 0.0, "fault.hang_rank", f.hang_rank >= 0),
+              ("fault.nan_rank", f.nan_rank, 0, "fault.nan_at_step", f.nan_at_step > 0),
+              ("fault.nan_value", f.nan_value, "nan", "fault.nan_at_step", f.nan_at_step > 0)]
+    for dotted, value, default, needs, read in unread:
+        if not read and value != default:
+            raise ConfigError(f"{dotted}={text(value)} has no effect without {needs}; set that "
+                              "too, or leave it out")
 
 
 def first_attempt() -> bool:
@@ -31,10 +71,10 @@ def first_attempt() -> bool:
 
 class Faults:
     def __init__(self, fcfg, rank: int, world_size: int, model: torch.nn.Module):
-        for key in ("kill_rank", "hang_rank", "perturb_rank", "nan_rank"):
-            r = getattr(fcfg, key)
+        for name in ("kill_rank", "hang_rank", "perturb_rank", "nan_rank"):
+            r = getattr(fcfg, name)
             if r >= world_size or r < -1:
-                raise ConfigError(f"fault.{key}={r}: world size is {world_size} (ranks 0.."
+                raise ConfigError(f"fault.{name}={r}: world size is {world_size} (ranks 0.."
                                   f"{world_size - 1}, -1 for none)")
         self.cfg, self.rank, self.model = fcfg, rank, model
         self.armed = first_attempt()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ddp_lab.config import ConfigError
+from ddp_lab.errors import ConfigError
 
 EAGER_CALLS = 3  # eager calls before the capture: cuDNN plans, cuBLAS workspaces, optimizer state
 

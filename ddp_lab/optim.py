@@ -4,8 +4,42 @@ constant. The schedule is a LambdaLR of the step, so it checkpoints as a plain s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+from omegaconf import MISSING
+
+from ddp_lab.errors import ConfigError
+from ddp_lab.keys import key, text
+
+_SGD_ONLY, _ADAMW_ONLY = ("name", ("sgd",)), ("name", ("adamw",))  # keys one of them reads
+
+
+@dataclass
+class OptimConfig:
+    name: str = key(MISSING, choices=("sgd", "adamw"))  # the other one's keys: refused off default
+    lr: float = key(MISSING, positive=True)
+    momentum: float = key(0.9, at_least=0, below=1, only_with=_SGD_ONLY)
+    nesterov: bool = key(False, only_with=_SGD_ONLY)  # needs momentum > 0
+    betas: list[float] = key(factory=lambda: [0.9, 0.999], only_with=_ADAMW_ONLY)  # two in [0, 1)
+    eps: float = key(1e-8, positive=True, only_with=_ADAMW_ONLY)
+    weight_decay: float = key(5e-4, at_least=0)
+    impl: str = key("auto", choices=("auto", "fused", "foreach", "for_loop"))
+    schedule: str = key("cosine", choices=("cosine", "constant"))  # after the linear warm-up
+    # May exceed the run: it then ends still warming up (short test runs do, with sgd's 20)
+    warmup_steps: int = key(0, at_least=0)
+    # cosine floor, as a fraction of lr
+    min_lr_ratio: float = key(0.0, at_least=0, at_most=1, only_with=("schedule", ("cosine",)))
+    grad_clip: float = key(0.0, at_least=0)  # max global grad norm; 0 disables clipping
+
+
+def check_optim(cfg) -> None:
+    o = cfg.optim
+    if o.name == "adamw" and not (len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas)):
+        raise ConfigError(f"optim.betas={text(o.betas)} must be two numbers in [0, 1), "
+                          "e.g. optim.betas=[0.9,0.999]")
+    if o.name == "sgd" and o.nesterov and o.momentum == 0:
+        raise ConfigError("optim.nesterov=true needs optim.momentum > 0")
 
 
 def _impl_kwargs(impl: str, device: torch.device) -> dict:

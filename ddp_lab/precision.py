@@ -11,10 +11,48 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from omegaconf import MISSING
 
-from ddp_lab.config import ConfigError
+from ddp_lab.errors import ConfigError
+from ddp_lab.keys import key, text
 
 AUTOCAST_DTYPES = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# precision.name -> the autocast_dtype it means, and the tf32 it means (None: either, for the ops
+# autocast leaves in fp32)
+PRECISIONS = {"fp32": ("none", False), "tf32": ("none", True), "fp16": ("float16", None),
+              "bf16": ("bfloat16", None)}
+
+
+@dataclass
+class PrecisionConfig:
+    # fp32 | tf32 | fp16 | bf16: the group sets the keys below to agree
+    name: str = key(MISSING, choices=tuple(PRECISIONS))
+    # none | float16 | bfloat16; must be what name says
+    autocast_dtype: str = key("none", choices=tuple(AUTOCAST_DTYPES))
+    # Allow TF32 tensor-core math for fp32 matmul/conv: fp32 false, tf32 true, either under
+    # autocast. CUDA only: on CPU it changes nothing.
+    tf32: bool = False
+    # Dynamic loss scaling, for fp16/bf16 only. precision=fp16 grad_scaler=false is allowed (it
+    # shows why the scaler exists: small gradients underflow to zero).
+    grad_scaler: bool = False
+    init_scale: float = key(65536.0, positive=True, only_with=("grad_scaler", (True,)))
+    growth_interval: int = key(2000, positive=True, only_with=("grad_scaler", (True,)))
+
+
+def check_precision(cfg) -> None:
+    """The keys agree with the precision they are named by."""
+    p = cfg.precision
+    autocast, tf32 = PRECISIONS[p.name]
+    if p.autocast_dtype != autocast:
+        raise ConfigError(f"precision.autocast_dtype={p.autocast_dtype} contradicts "
+                          f"precision={p.name} (which autocasts to {autocast}); choose the "
+                          "precision group instead (precision=fp16 or precision=bf16)")
+    if tf32 is not None and p.tf32 != tf32:
+        raise ConfigError(f"precision.tf32={text(p.tf32)} contradicts precision={p.name}; use "
+                          f"precision={'tf32' if p.tf32 else 'fp32'} instead")
+    if p.grad_scaler and autocast == "none":
+        raise ConfigError(f"precision.grad_scaler=true: loss scaling keeps float16 gradients "
+                          f"from underflowing, and precision={p.name} has none; use precision=fp16")
 
 
 @dataclass

@@ -4,7 +4,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ddp_lab.config import ConfigError, validate
+from ddp_lab.config import validate
+from ddp_lab.errors import ConfigError
 from helpers import compose_config
 
 

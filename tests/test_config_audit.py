@@ -6,8 +6,9 @@ these trained to NaN, failed with a traceback from inside torch, or ran with the
 import pytest
 import torch
 
-from ddp_lab.config import ConfigError, check_steps_reachable, validate
-from ddp_lab.models import IMAGE_SIZES, STEMS, build_model
+from ddp_lab.config import check_steps_reachable, validate
+from ddp_lab.errors import ConfigError
+from ddp_lab.models import MODELS, STEMS, build_model
 from helpers import compose_config, launch_together, python_module
 
 REFUSED = [  # (overrides, what the message says)
@@ -145,10 +146,10 @@ def test_accepted(overrides):
     validate(compose_config(overrides))
 
 
-@pytest.mark.parametrize("name", list(IMAGE_SIZES))
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("stem", STEMS)
 def test_image_sizes_are_what_the_models_take(name, stem):
-    """IMAGE_SIZES, which validate() reads, against the model itself on the meta device (shapes
+    """Each model's registered image_sizes, which validate() reads, against the model itself on the meta device (shapes
     are checked, nothing is computed): both ends work, one pixel past either fails."""
     with torch.device("meta"):
         model = build_model(name, 10, 0.0, stem)
@@ -160,7 +161,7 @@ def test_image_sizes_are_what_the_models_take(name, stem):
         except RuntimeError:
             return False
 
-    low, high = IMAGE_SIZES[name]
+    low, high = MODELS.details(name)["image_sizes"]
     assert takes(low) and not takes(low - 1)
     assert (takes(high) and not takes(high + 1)) if high else takes(4 * low)
 

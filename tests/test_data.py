@@ -6,9 +6,14 @@ import math
 import pytest
 import torch
 
-from ddp_lab.config import ConfigError
 from ddp_lab.data import build_data, crop_flip_draws, load_digits
+from ddp_lab.errors import ConfigError
 from helpers import compose_config
+
+
+def digits(image_size: int):
+    """The digits' (train, val) sets at `image_size` px, as data=digits loads them."""
+    return load_digits(compose_config([f"data.image_size={image_size}"]), "cpu", torch.float32)
 
 
 def step_samples(stream, epoch, step):
@@ -51,7 +56,7 @@ def test_resume_mid_epoch_yields_the_remaining_batches():
 
 
 def test_augmentation_is_a_function_of_sample_seed_and_epoch():
-    train, _ = load_digits(32)
+    train, _ = digits(32)
     train.prepare(torch.float32, pad=4)
     idx = torch.arange(8)
     draws = crop_flip_draws(idx, (0, 0))
@@ -73,8 +78,8 @@ def test_augmented_crops_are_bitwise_those_of_the_uint8_images(image_size, dtype
     """The one-gather crop of the prepared, padded set equals the textbook order, sample by
     sample: pad the uint8 image with black, crop, mirror, normalise in fp32, resize, round once
     to the compute dtype (what autocast hands the first convolution)."""
-    plain, _ = load_digits(image_size)
-    prepared, _ = load_digits(image_size)
+    plain, _ = digits(image_size)
+    prepared, _ = digits(image_size)
     prepared.prepare(dtype, torch.channels_last, pad=4, chunk=100)
     idx = torch.tensor([0, 5, 99, 100, 1436, 7, 7, 300, 1000, 12, 13, 14])
     draws = crop_flip_draws(idx, (3, 2))
@@ -159,8 +164,8 @@ def test_synthetic_images_come_in_the_compute_dtype_with_hashed_labels(precision
 @pytest.mark.parametrize("image_size", [32, 8, 21])  # digits are stored at 32 px: as is, down, odd
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prepared_images_are_bitwise_the_per_batch_normalised_ones(image_size, dtype):
-    per_batch, _ = load_digits(image_size)
-    prepared, _ = load_digits(image_size)
+    per_batch, _ = digits(image_size)
+    prepared, _ = digits(image_size)
     prepared.prepare(dtype, torch.channels_last, chunk=100)  # chunks that do not divide the set
     assert prepared.images.is_contiguous(memory_format=torch.channels_last)
     with pytest.raises(RuntimeError, match="already prepared"):
@@ -184,10 +189,10 @@ def test_digits_are_prepared_in_the_compute_dtype_augmented_or_not(augment):
 
 
 def test_sets_too_large_to_prepare_are_normalised_per_batch(monkeypatch):
-    import ddp_lab.data
+    import ddp_lab.data.build
 
     ref = build_data(compose_config(["train.batch_size=16"]), 0, 1, torch.device("cpu"))
-    monkeypatch.setattr(ddp_lab.data, "PREPARE_MAX_BYTES", 1437 * 3 * 32 * 32 * 4 - 1)
+    monkeypatch.setattr(ddp_lab.data.build, "PREPARE_MAX_BYTES", 1437 * 3 * 32 * 32 * 4 - 1)
     d = build_data(compose_config(["train.batch_size=16"]), 0, 1, torch.device("cpu"))
     assert ref.train.dataset.prepared and ref.val.dataset.prepared
     assert not d.train.dataset.prepared and d.val.dataset.prepared  # val: 360 images, fits
@@ -207,7 +212,7 @@ def test_batches_fetched_many_at_once_equal_per_batch_fetches(monkeypatch, data,
     """Batches cut as views of one fetch of the epoch (in chunks), or of fetches of 3 batches at a
     time, equal per-batch fetches bit for bit (augmented too), for training (last partial batch
     dropped), mid-epoch resume, and validation (kept)."""
-    import ddp_lab.data as data_mod
+    import ddp_lab.data.streams as data_mod
 
     monkeypatch.setattr(data_mod, "GATHER_CHUNK", 100)
     cfg = compose_config([f"data={data.split()[0]}", *data.split()[1:], "data.num_samples=300",
@@ -245,7 +250,7 @@ def test_epochs_fetched_ahead_equal_epochs_fetched_alone(monkeypatch, data):
     """A small epoch is fetched with the epochs after it (one index copy, one fetch for several):
     each epoch's batches are bitwise those of the epoch fetched alone, in order, after a resume
     mid-epoch and after a jump back (a calibration pass, a restart)."""
-    import ddp_lab.data as data_mod
+    import ddp_lab.data.streams as data_mod
 
     cfg = compose_config([f"data={data.split()[0]}", *data.split()[1:], "data.num_samples=300",
                           "train.batch_size=32", "precision=bf16"])

@@ -32,9 +32,9 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 
 from ddp_lab import comm
-from ddp_lab.dist import destroy_group, init_group, print0
+from ddp_lab.dist import DistConfig, destroy_group, init_group, print0
 from ddp_lab.bench.common import format_table, plot_lines, time_fn, write_rows
-from ddp_lab.config import ConfigError, DistConfig
+from ddp_lab.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -45,7 +45,7 @@ TARGET_RATIO, TARGET_BYTES = 0.95, 64 << 20  # issue 20: ring busbw / native's, 
 
 @dataclass
 class AllreduceBenchConfig:
-    algos: list[str] = field(default_factory=lambda: ["naive", "ring", "tree", "native"])
+    algos: list[str] = field(default_factory=lambda: list(comm.ALGOS))  # ours, then the reference
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
     min_bytes: int = 8
     max_bytes: int = 1 << 30

@@ -14,12 +14,11 @@ Algorithms (each module documents its message schedule and cost):
     naive   ddp_lab/comm/naive.py   everything through rank 0: 2 rounds, 2(N-1)S through rank 0
     ring    ddp_lab/comm/ring.py    chunked reduce-scatter + all-gather: 2(N-1) steps, 2(N-1)S/N per rank
     tree    ddp_lab/comm/tree.py    binomial reduce + broadcast: 2*ceil(log2 N) steps, any N
-    native  the backend's own dist.all_reduce: the reference the others are checked against
-            (reduce-scatter / all-gather: dist.reduce_scatter_single / all_gather_single where
-            the shards are equal; uneven shards, which they refuse: all-reduce then slice, and
-            an all-gather of padded shards)
-All of them go through ddp_lab/comm/p2p.py, which counts the bytes, can trace the schedule and
-turns a dead peer or a timeout into a `CommError` naming the algorithm, step and peer.
+    native  ddp_lab/comm/native.py  the backend's own: the reference the others are checked against
+Each module registers its three collectives in COLLECTIVES (ddp_lab/comm/collective.py, which
+states their contract); ALGOS names them all, OURS the ones written here. Ours go through
+ddp_lab/comm/p2p.py, which counts the bytes, can trace the schedule and turns a dead peer or a
+timeout into a `CommError` naming the algorithm, step and peer.
 """
 
 from __future__ import annotations
@@ -30,14 +29,12 @@ import torch.distributed as dist
 from ddp_lab.comm.cost import Cost, bus_bandwidth, cost
 from ddp_lab.comm import naive, ring, tree
 from ddp_lab.comm.p2p import Channel, CommError, Recorder, recording
+# Imported, so registered, after ours: listings (ALGOS, error messages) show the reference last.
+from ddp_lab.comm import native  # noqa: E402,F401
+from ddp_lab.comm.collective import COLLECTIVES
 
-ALGORITHMS = {"naive": naive.all_reduce_naive, "ring": ring.all_reduce_ring,
-              "tree": tree.all_reduce_tree}
-REDUCE_SCATTER = {"naive": naive.reduce_scatter_naive, "ring": ring.reduce_scatter_ring,
-                  "tree": tree.reduce_scatter_tree}
-ALL_GATHER = {"naive": naive.all_gather_naive, "ring": ring.all_gather_ring,
-              "tree": tree.all_gather_tree}
-ALGOS = (*ALGORITHMS, "native")
+ALGOS = COLLECTIVES.names()
+OURS = tuple(a for a in ALGOS if COLLECTIVES[a].p2p)  # each one a sync too (sync/bucketed.py)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.int8, torch.uint8, torch.int32, torch.int64)
 
@@ -52,14 +49,7 @@ def all_reduce(tensor: torch.Tensor, algo: str, group=None) -> torch.Tensor:
     _check(tensor, algo, group)
     if tensor.numel() == 0 or dist.get_world_size(group) == 1:
         return tensor
-    if algo == "native":
-        try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        except Exception as e:  # noqa: BLE001
-            raise _native_error("all-reduce", group, e) from e
-        return tensor
-    with torch.no_grad():
-        ALGORITHMS[algo](tensor.view(-1), Channel(algo, group))
+    _run("all_reduce", tensor.view(-1), algo, group)
     return tensor
 
 
@@ -75,17 +65,9 @@ def reduce_scatter(input: torch.Tensor, output: torch.Tensor, algo: str,
     (ours leave partial sums there); `output` may be its own shard, a view of it. Same rules as
     `all_reduce`."""
     n, r = _check_pair(input, output, algo, group, "reduce_scatter", output_is_shard=True)
-    mine = shard(input, r, n)
     if n > 1 and input.numel():
-        if algo != "native":
-            with torch.no_grad():
-                REDUCE_SCATTER[algo](input.view(-1), Channel(algo, group, "reduce-scatter"))
-        elif input.numel() % n == 0:
-            out = torch.empty_like(mine)  # (never the input's own memory)
-            _native("reduce-scatter", group, _RS_SINGLE, out, input.view(-1))
-            mine = out
-        else:  # uneven shards, which the backend's reduce-scatter refuses
-            _native("reduce-scatter", group, dist.all_reduce, input)
+        _run("reduce_scatter", input.view(-1), algo, group)
+    mine = shard(input, r, n)
     if mine.data_ptr() != output.data_ptr():
         output.view(-1).copy_(mine)
     return output
@@ -100,41 +82,17 @@ def all_gather(input: torch.Tensor, output: torch.Tensor, algo: str, group=None)
         mine.copy_(input.view(-1))
     if n == 1 or output.numel() == 0:
         return output
-    if algo == "native":
-        _native_all_gather(output.view(-1), mine.clone(), n, group)
-    else:
-        with torch.no_grad():
-            ALL_GATHER[algo](output.view(-1), Channel(algo, group, "all-gather"))
+    _run("all_gather", output.view(-1), algo, group)
     return output
 
 
-_RS_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_AG_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _native_all_gather(flat: torch.Tensor, mine: torch.Tensor, n: int, group) -> None:
-    if flat.numel() % n == 0:
-        _native("all-gather", group, _AG_SINGLE, flat, mine)
-        return
-    # Uneven shards, which the backend refuses: gather shards padded to the largest, unpad.
-    size = shard(flat, 0, n).numel()
-    padded = flat.new_zeros(n * size)
-    _native("all-gather", group, _AG_SINGLE, padded,
-            torch.cat([mine, mine.new_zeros(size - mine.numel())]))
-    for p, piece in enumerate(torch.tensor_split(flat, n)):
-        piece.copy_(padded[p * size:p * size + piece.numel()])
-
-
-def _native(what: str, group, fn, *tensors) -> None:
-    try:
-        fn(*tensors, group=group)
-    except Exception as e:  # noqa: BLE001
-        raise _native_error(what, group, e) from e
-
-
-def _native_error(what: str, group, e: Exception) -> CommError:
-    return CommError(f"native {what} failed on rank {dist.get_rank(group)}: "
-                     f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}")
+def _run(op: str, flat: torch.Tensor, algo: str, group) -> None:
+    """`algo`'s `op` on `flat`, in place: ours through a Channel (every byte counted, a failure
+    named by step and peer), the backend's own on the group."""
+    collective = COLLECTIVES[algo]
+    with torch.no_grad():
+        where = Channel(algo, group, op.replace("_", "-")) if collective.p2p else group
+        getattr(collective, op)(flat, where)
 
 
 def _check_pair(full, part, algo: str, group, name: str, output_is_shard: bool):
@@ -153,9 +111,10 @@ def _check_pair(full, part, algo: str, group, name: str, output_is_shard: bool):
 
 
 def _check(tensor, algo: str, group, name: str = "all_reduce") -> None:
-    if algo not in ALGOS:
+    if algo not in COLLECTIVES:
         what = name.replace("_", "-")
-        raise ValueError(f"unknown {what} algorithm {algo!r}: expected one of {', '.join(ALGOS)}")
+        raise ValueError(f"unknown {what} algorithm {algo!r}: expected one of "
+                         f"{', '.join(COLLECTIVES)}")
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPES:
@@ -177,5 +136,5 @@ def _check(tensor, algo: str, group, name: str = "all_reduce") -> None:
                              f"device cuda:{here}, got one on {dev}")
 
 
-__all__ = ["ALGOS", "Channel", "CommError", "Cost", "Recorder", "all_gather", "all_reduce",
-           "bus_bandwidth", "cost", "recording", "reduce_scatter", "shard"]
+__all__ = ["ALGOS", "COLLECTIVES", "Channel", "CommError", "Cost", "OURS", "Recorder", "all_gather",
+           "all_reduce", "bus_bandwidth", "cost", "recording", "reduce_scatter", "shard"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ddp_lab.comm.collective import COLLECTIVES, Collective
 from ddp_lab.comm.p2p import Channel, scratch
 
 
@@ -50,6 +51,9 @@ def all_gather_naive(flat: torch.Tensor, ch: Channel) -> None:
     else:
         ch.exchange(0, sends=[(0, chunks[ch.rank], ch.rank)])
     _broadcast(flat, ch)
+
+
+COLLECTIVES.register("naive", Collective(all_reduce_naive, reduce_scatter_naive, all_gather_naive))
 
 
 def _sum_at_root(flat: torch.Tensor, ch: Channel) -> None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import torch
 
+from ddp_lab.comm.collective import COLLECTIVES, Collective
 from ddp_lab.comm.p2p import Channel, scratch
 
 SLICE_BYTES = 4 << 20  # largest slice: gloo pays per message, so not smaller (measured)
@@ -66,6 +67,9 @@ def reduce_scatter_ring(flat: torch.Tensor, ch: Channel) -> None:
 def all_gather_ring(flat: torch.Tensor, ch: Channel) -> None:
     """`flat`'s chunk r holds this rank's shard; fill in every other rank's."""
     _ring(flat, ch, range(ch.size - 1, 2 * (ch.size - 1)), shift=-1)
+
+
+COLLECTIVES.register("ring", Collective(all_reduce_ring, reduce_scatter_ring, all_gather_ring))
 
 
 def _ring(flat: torch.Tensor, ch: Channel, steps: range, shift: int) -> None:

@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from ddp_lab.comm.collective import COLLECTIVES, Collective
 from ddp_lab.comm.p2p import Channel, scratch
 
 
@@ -67,6 +68,9 @@ def all_gather_tree(flat: torch.Tensor, ch: Channel) -> None:
         elif r % (2 * d) == 0 and r + d < n:
             ch.exchange(k, recvs=[(r + d, pieces(subtree(r + d, n)), subtree(r + d, n))])
     _broadcast(flat, ch)
+
+
+COLLECTIVES.register("tree", Collective(all_reduce_tree, reduce_scatter_tree, all_gather_tree))
 
 
 def _reduce(flat: torch.Tensor, ch: Channel) -> None:

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from ddp_lab.models.config import MODELS
 
+
+# torchvision's AlexNet pools adaptively to 6x6, but below 63 px its convolutions and pools leave
+# no map at all.
+@MODELS.register("alexnet", image_sizes=(63, None))
 def AlexNet(num_classes: int = 1000, dropout: float = 0.5, fc_width: int = 4096) -> nn.Module:
     """torchvision's AlexNet (the one-GPU variant of Krizhevsky et al.), randomly initialised;
     its two hidden fully connected layers `fc_width` wide (4096: 54.5 M of its 61.1 M
@@ -24,6 +29,8 @@ def AlexNet(num_classes: int = 1000, dropout: float = 0.5, fc_width: int = 4096)
     return model
 
 
+# Its classifier expects the 2x2 map its stride-2 stem and three 2x pools leave of 31..46 px.
+@MODELS.register("alexnet_cifar", image_sizes=(31, 46))
 class AlexNetCifar(nn.Module):
     """AlexNet for 32x32 inputs: 3x3 kernels, three 2x pools (32 -> 16 -> 8 -> 4 -> 2), FC
     1024-fc_width-fc_width (4096: 21 M of its 23.3 M parameters)."""

@@ -1,29 +1,32 @@
-"""Gradient synchronisers. `build_sync` is the one place that turns `sync=` into an object."""
+"""Gradient synchronisers. `build_sync` is the one place that turns `sync=` into an object; the
+names it knows are SYNCS (ddp_lab/sync/config.py), where each sync registers itself."""
 
 from __future__ import annotations
 
-from ddp_lab.config import ConfigError
+from ddp_lab.comm import OURS
 from ddp_lab.dist import DistInfo
+from ddp_lab.errors import ConfigError
 from ddp_lab.sync.base import GradSync
-from ddp_lab.sync.bucketed import BucketedSync
-from ddp_lab.sync.ddp import DDPSync
+from ddp_lab.sync.config import SYNCS, SyncConfig
+# Imported, so registered, in the order listings show: nothing, torch's reference, then ours.
 from ddp_lab.sync.none import NoSync
+from ddp_lab.sync.ddp import DDPSync
+from ddp_lab.sync.bucketed import BucketedSync
 from ddp_lab.sync.zero import ShardedSync
 
 
 def build_sync(scfg, info: DistInfo) -> GradSync:
-    if scfg.name == "none":
+    sync = SYNCS[scfg.name]
+    if sync is NoSync:
         if info.world_size > 1:
             raise ConfigError(f"sync=none with world size {info.world_size} would train "
-                              f"{info.world_size} diverging replicas; use sync=ddp (or naive/ring/tree)")
+                              f"{info.world_size} diverging replicas; use sync=ddp "
+                              f"(or {'/'.join(OURS)})")
         return NoSync()
-    if scfg.name == "ddp":
-        return DDPSync(scfg, info.device, info.world_size)
-    if scfg.name in ("naive", "ring", "tree"):
-        if scfg.zero:  # ZeRO: each rank updates its shard of every bucket
-            return ShardedSync(scfg, info.device, info.world_size)
-        return BucketedSync(scfg, info.device, info.world_size)
-    raise ConfigError(f"sync={scfg.name} is not available yet")
+    if sync is BucketedSync and scfg.zero:  # ZeRO: each rank updates its shard of every bucket
+        sync = ShardedSync
+    return sync(scfg, info.device, info.world_size)
 
 
-__all__ = ["BucketedSync", "DDPSync", "GradSync", "NoSync", "ShardedSync", "build_sync"]
+__all__ = ["BucketedSync", "DDPSync", "GradSync", "NoSync", "SYNCS", "ShardedSync", "SyncConfig",
+           "build_sync"]

@@ -61,7 +61,7 @@ from ddp_lab import buckets, comm
 from ddp_lab.dtypes import DTYPES
 from ddp_lab.comm.p2p import Recorder, recording
 from ddp_lab.sync.base import GradSync
-
+from ddp_lab.sync.config import SYNCS
 
 
 @dataclass
@@ -78,8 +78,9 @@ class Bucket:
 
 class BucketedSync(GradSync):
     def __init__(self, scfg, device: torch.device, world_size: int, group=None):
-        if scfg.name not in ("naive", "ring", "tree"):
-            raise ValueError(f"BucketedSync runs naive, ring or tree, not {scfg.name!r}")
+        if scfg.name not in comm.OURS:
+            raise ValueError(f"BucketedSync runs one of {', '.join(comm.OURS)}, "
+                             f"not {scfg.name!r}")
         self.name = self.algo = scfg.name
         self.bucket_mb = scfg.bucket_mb
         self.overlap = bool(scfg.overlap)
@@ -295,6 +296,11 @@ class BucketedSync(GradSync):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+# Every collective of ours is a sync (with sync.zero>=1, zero.py's ShardedSync: build_sync).
+for _algo in comm.OURS:
+    SYNCS.register(_algo, BucketedSync, reads=("bucket_mb", "overlap", "comm_dtype", "zero"))
 
 
 def comm_dtype(name: str) -> torch.dtype | None:

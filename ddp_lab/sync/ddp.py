@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lab.dtypes import DTYPES
 from ddp_lab.sync.base import GradSync
-
+from ddp_lab.sync.config import SYNCS
 
 
 def compress_hook(dtype: torch.dtype):
@@ -121,6 +121,8 @@ def counting_zero_optimizer(handed: Handed):
     return CountingZeroRedundancyOptimizer
 
 
+@SYNCS.register("ddp", reads=("bucket_mb", "comm_dtype", "gradient_as_bucket_view",
+                              "static_graph", "zero"))  # zero: 1 only (sync/config.py)
 class DDPSync(GradSync):
     name = "ddp"
 

@@ -3,8 +3,10 @@
 from torch import nn
 
 from ddp_lab.sync.base import GradSync
+from ddp_lab.sync.config import SYNCS
 
 
+@SYNCS.register("none")  # reads no sync.* key: nothing to communicate
 class NoSync(GradSync):
     name = "none"
 

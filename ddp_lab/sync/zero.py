@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_lab import comm
-from ddp_lab.config import ConfigError
+from ddp_lab.errors import ConfigError
 from ddp_lab.sync.bucketed import Bucket, BucketedSync, view_like
 
 
