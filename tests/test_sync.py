@@ -163,27 +163,32 @@ def _fp16_overflow(rank, n):
     """Gradients of 49152 and 71680 (exact in fp16 once halved): the average 60416 fits fp16, the
     sum 120832 does not, and neither does 71680 cast to fp16 before dividing."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
 
     from ddp_lab.sync.bucketed import BucketedSync
     from ddp_lab.sync.ddp import DDPSync
 
-    def run(make_sync, hook=None):
+    def run(make_sync):
         model = nn.Linear(4, 1, bias=False)
         sync = make_sync()
         wrapped = sync.prepare(model)
-        if hook is not None:
-            wrapped.register_comm_hook(None, hook)
         c = 49152.0 if rank == 0 else 71680.0
         (wrapped(torch.ones(1, 4)) * c).sum().backward()
         sync.finish()
+        return model.weight.grad.clone()
+
+    def torch_hook_grad():  # torch's own DDP with torch's fp16 hook, our sync nowhere
+        model = nn.Linear(4, 1, bias=False)
+        wrapped = DistributedDataParallel(model)
+        wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        (wrapped(torch.ones(1, 4)) * (49152.0 if rank == 0 else 71680.0)).sum().backward()
         return model.weight.grad.clone()
 
     out = {}
     for algo in ("naive", "ring", "tree"):
         out[algo] = run(lambda: BucketedSync(scfg(algo, True, "fp16"), torch.device("cpu"), n))
     out["ddp"] = run(lambda: DDPSync(scfg("ddp", comm_dtype="fp16"), torch.device("cpu"), n))
-    torch_hook = run(lambda: DDPSync(scfg("ddp"), torch.device("cpu"), n),
-                     default_hooks.fp16_compress_hook)
+    torch_hook = torch_hook_grad()
     for name, g in out.items():
         assert torch.equal(g, torch.full((1, 4), 60416.0)), (name, g)
     return bool(torch.isinf(torch_hook).all())
