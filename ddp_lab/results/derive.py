@@ -1,0 +1,138 @@
+"""The derivations a figure names in its manifest: each takes the rows of the figure's raw files
+(`ddp_lab.results.raw`) and keyword arguments, and returns a number or a tuple of numbers.
+
+Where a benchmark already computed a figure and wrote it into its row (train_throughput's
+`ratio_paired` with `ratio_lo`..`ratio_hi`, a sweep's `pred_err_pct`), the figure reads that
+column (`value`, `row_values`): the benchmark's own arithmetic. The rest are the few statistics
+the results pages use, written once: a median with its range, a ratio of two selections of one
+run, ratios paired run by run, a bootstrap interval, counts. Selections are `where` dicts
+(`{"precision": "bf16", "channels_last": true}`; a list means any of its values). A column that
+holds a list (a benchmark's per-repeat `ratios`) or a string of numbers (a sweep's
+`efficiency_passes`) contributes every number in it.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+from ddp_lab.results.raw import get, select
+
+
+def _one(rows: list[dict], where: dict | None) -> dict:
+    chosen = select(rows, where)
+    if len(chosen) > 1:
+        raise LookupError(f"{len(chosen)} rows match {where}, expected one")
+    return chosen[0]
+
+
+def _numbers(value) -> list[float]:
+    if isinstance(value, list):
+        return [float(x) for x in value]
+    if isinstance(value, str):
+        return [float(x) for x in value.split()]
+    return [float(value)]
+
+
+def _pooled(rows: list[dict], column: str, where: dict | None) -> list[float]:
+    return [x for row in select(rows, where) for x in _numbers(get(row, column))]
+
+
+def value(rows: list[dict], column: str, where: dict | None = None) -> float:
+    """The column of the one row matching `where`."""
+    return get(_one(rows, where), column)
+
+
+def row_values(rows: list[dict], columns: list[str], where: dict | None = None) -> tuple:
+    """Several columns of the one row matching `where`, in order (a table row)."""
+    row = _one(rows, where)
+    return tuple(get(row, c) for c in columns)
+
+
+def throughput_row(rows: list[dict], where: dict | None = None) -> tuple:
+    """A `ddp_lab.bench.train_throughput` row as its tables print it: (ddp_lab img/s, bare img/s,
+    the median of the repeats' own loop / bare ratios, their min, their max, repeats, steps)."""
+    row = _one(rows, where)
+    return (row["ddp_img_s"], row["bare_img_s"], row["ratio_paired"], row["ratio_lo"],
+            row["ratio_hi"], len(row["ratios"]), row["steps"])
+
+
+def ratio(rows: list[dict], column: str, num: dict, den: dict) -> float:
+    """column of the row `num` over column of the row `den`: two rows of one run side by side."""
+    return value(rows, column, num) / value(rows, column, den)
+
+
+def column_values(rows: list[dict], column: str, wheres: list[dict]) -> tuple:
+    """The column of one row per selection, in order (a figure that prints several rows)."""
+    return tuple(value(rows, column, where) for where in wheres)
+
+
+def relative_change(rows: list[dict], column: str, num: dict, den: dict) -> float:
+    """ratio - 1: how much the `num` row gains (or loses) over the `den` row, side by side."""
+    return ratio(rows, column, num, den) - 1
+
+
+def maximum(rows: list[dict], column: str, where: dict | None = None) -> float:
+    """The largest value of the column over the matching rows (a peak over sizes, not over runs)."""
+    return max(_pooled(rows, column, where))
+
+
+def ratio_of_maxima(rows: list[dict], column: str, num: dict, den: dict) -> float:
+    """maximum over `num` rows / maximum over `den` rows (one run's peaks, side by side)."""
+    return maximum(rows, column, num) / maximum(rows, column, den)
+
+
+def total(rows: list[dict], column: str, where: dict | None = None) -> float:
+    """The sum of the column over the matching rows."""
+    return sum(_pooled(rows, column, where))
+
+
+def count(rows: list[dict], where: dict | None = None) -> int:
+    """How many rows match."""
+    return len(select(rows, where))
+
+
+def median_min_max(rows: list[dict], column: str, where: dict | None = None) -> tuple:
+    """(median, min, max, n) of every number in the column over the matching rows."""
+    xs = _pooled(rows, column, where)
+    return statistics.median(xs), min(xs), max(xs), len(xs)
+
+
+def ratio_of_medians(rows: list[dict], column: str, num: dict, den: dict) -> float:
+    """The median of the `num` selection's numbers over the median of the `den` selection's."""
+    return statistics.median(_pooled(rows, column, num)) / statistics.median(
+        _pooled(rows, column, den))
+
+
+def bootstrap_ratio_of_medians(rows: list[dict], column: str, num: dict, den: dict,
+                               resamples: int = 5000, seed: int = 0) -> tuple:
+    """(ratio of medians, low, high): the 95% bootstrap interval, each side's numbers resampled
+    with replacement `resamples` times (Python's random, seeded: the same interval every time)."""
+    xs, ys = _pooled(rows, column, num), _pooled(rows, column, den)
+    rng = random.Random(seed)
+    draws = sorted(statistics.median(rng.choices(xs, k=len(xs)))
+                   / statistics.median(rng.choices(ys, k=len(ys))) for _ in range(resamples))
+    cut = int(0.025 * resamples)
+    return statistics.median(xs) / statistics.median(ys), draws[cut], draws[-cut - 1]
+
+
+def paired_ratios(rows: list[dict], column: str, num: dict, den: dict,
+                  pair_by: str = "_file") -> tuple:
+    """(median, min, max, n) of per-run ratios: within each group of rows sharing `pair_by` (by
+    default one file: one run), the `num` row's column over the `den` row's."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(get(row, pair_by), []).append(row)
+    ratios = [ratio(group, column, num, den) for _, group in sorted(groups.items())]
+    return statistics.median(ratios), min(ratios), max(ratios), len(ratios)
+
+
+def within(rows: list[dict], column: str, limit: float, where: dict | None = None) -> tuple:
+    """(how many, of how many) matching rows have |column| <= limit (an error inside a band)."""
+    xs = _pooled(rows, column, where)
+    return sum(abs(x) <= limit for x in xs), len(xs)
+
+
+def largest_abs(rows: list[dict], column: str, where: dict | None = None) -> float:
+    """The largest |column| over the matching rows (the worst error, whatever its sign)."""
+    return max(abs(x) for x in _pooled(rows, column, where))
