@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from ddp_lab.results.raw import get, select
+from ddp_lab.results.raw import get, matches, select
 
 
 def _one(rows: list[dict], where: dict | None) -> dict:
@@ -77,6 +77,11 @@ def maximum(rows: list[dict], column: str, where: dict | None = None) -> float:
     return max(_pooled(rows, column, where))
 
 
+def maxima(rows: list[dict], column: str, wheres: list[dict]) -> tuple:
+    """`maximum` of each selection, in order (one run's peaks per dtype, say)."""
+    return tuple(maximum(rows, column, where) for where in wheres)
+
+
 def ratio_of_maxima(rows: list[dict], column: str, num: dict, den: dict) -> float:
     """maximum over `num` rows / maximum over `den` rows (one run's peaks, side by side)."""
     return maximum(rows, column, num) / maximum(rows, column, den)
@@ -88,8 +93,8 @@ def total(rows: list[dict], column: str, where: dict | None = None) -> float:
 
 
 def count(rows: list[dict], where: dict | None = None) -> int:
-    """How many rows match."""
-    return len(select(rows, where))
+    """How many rows match (0 when none does: `#wrong` 0)."""
+    return sum(matches(row, where) for row in rows)
 
 
 def median_min_max(rows: list[dict], column: str, where: dict | None = None) -> tuple:
@@ -131,6 +136,18 @@ def within(rows: list[dict], column: str, limit: float, where: dict | None = Non
     """(how many, of how many) matching rows have |column| <= limit (an error inside a band)."""
     xs = _pooled(rows, column, where)
     return sum(abs(x) <= limit for x in xs), len(xs)
+
+
+def crossover(rows: list[dict], key: str, slow: str, fast: str) -> float:
+    """The smallest `key` from which column `fast` is below column `slow` at that and every
+    larger measured `key` (`ddp_lab.bench.vector_add.crossover`'s rule); inf when it never is."""
+    pairs = sorted((get(r, key), get(r, slow), get(r, fast)) for r in rows)
+    best = float("inf")
+    for n, slow_t, fast_t in reversed(pairs):
+        if not fast_t < slow_t:
+            break
+        best = n
+    return best
 
 
 def largest_abs(rows: list[dict], column: str, where: dict | None = None) -> float:
