@@ -19,10 +19,20 @@ import statistics
 from ddp_lab.results.raw import get, matches, select
 
 
-def _one(rows: list[dict], where: dict | None) -> dict:
-    chosen = select(rows, where)
-    if len(chosen) > 1:
-        raise LookupError(f"{len(chosen)} rows match {where}, expected one")
+def _has(row: dict, column: str) -> bool:
+    try:
+        get(row, column)
+    except KeyError:
+        return False
+    return True
+
+
+def _one(rows: list[dict], where: dict | None, columns: tuple[str, ...] = ()) -> dict:
+    """The one row matching `where` among those that have `columns` (a report's tables share
+    keys such as `N`; the column names the table)."""
+    chosen = [r for r in select(rows, where) if all(_has(r, c) for c in columns)]
+    if len(chosen) != 1:
+        raise LookupError(f"{len(chosen)} rows with {list(columns)} match {where}, expected one")
     return chosen[0]
 
 
@@ -40,12 +50,12 @@ def _pooled(rows: list[dict], column: str, where: dict | None) -> list[float]:
 
 def value(rows: list[dict], column: str, where: dict | None = None) -> float:
     """The column of the one row matching `where`."""
-    return get(_one(rows, where), column)
+    return get(_one(rows, where, (column,)), column)
 
 
 def row_values(rows: list[dict], columns: list[str], where: dict | None = None) -> tuple:
     """Several columns of the one row matching `where`, in order (a table row)."""
-    row = _one(rows, where)
+    row = _one(rows, where, tuple(columns))
     return tuple(get(row, c) for c in columns)
 
 

@@ -59,13 +59,35 @@ def _kv_rows(path: str) -> list[dict]:
                 for line in f if _KV_LINE.match(line)]
 
 
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _md_rows(path: str) -> list[dict]:
+    """The rows of every pipe table a program wrote into a Markdown report (report.md,
+    simulation.md), keyed by their table's header."""
+    rows, header = [], None
+    with open(path) as f:
+        lines = [line for line in f]
+    for line, following in zip(lines, lines[1:] + [""]):
+        if not line.lstrip().startswith("|"):
+            header = None
+        elif header is None and following.lstrip().startswith("| ---"):
+            header = _cells(line)
+        elif header is not None and not line.lstrip().startswith("| ---"):
+            rows.append({k: scalar(v) for k, v in zip(header, _cells(line))})
+    return rows
+
+
 READERS = {".csv": _csv_rows, ".jsonl": _jsonl_rows, ".json": _json_rows, ".log": _kv_rows,
-           ".txt": _kv_rows}
+           ".txt": _kv_rows, ".md": _md_rows}
 
 
 def read(folder: str, name: str) -> list[dict]:
     """The rows of `name` (relative to `folder`), each with `_file` set to `name`."""
     ext = os.path.splitext(name)[1]
+    if os.path.basename(name) == "README.md":
+        raise ValueError(f"{name}: a page is not a raw file (figures come from what programs wrote)")
     if ext not in READERS:
         raise ValueError(f"{name}: no reader for {ext!r} files (readers: {', '.join(READERS)})")
     rows = READERS[ext](os.path.join(folder, name))
