@@ -14,6 +14,7 @@ holds a list (a benchmark's per-repeat `ratios`) or a string of numbers (a sweep
 from __future__ import annotations
 
 import random
+import re
 import statistics
 
 from ddp_lab.results.raw import get, matches, select
@@ -82,6 +83,25 @@ def relative_change(rows: list[dict], column: str, num: dict, den: dict) -> floa
     return ratio(rows, column, num, den) - 1
 
 
+def difference(rows: list[dict], column: str, num: dict, den: dict) -> float:
+    """column of the row `num` minus column of the row `den` (what one setting adds)."""
+    return value(rows, column, num) - value(rows, column, den)
+
+
+def excess(rows: list[dict], column: str, over: str, where: dict | None = None) -> float:
+    """One row's `column` minus its `over` column (measured minus predicted)."""
+    measured, predicted = row_values(rows, [column, over], where)
+    return measured - predicted
+
+
+def counted_minus_predicted(rows: list[dict], block: str = "memory") -> tuple:
+    """(lowest, highest) bytes counted minus predicted over every field of every row's `block` of
+    a summary.json (`memory`: per-rank counts of each kind of storage beside its prediction)."""
+    gaps = [sum(_numbers(row[block][field])) - predicted
+            for row in rows for field, predicted in row[block]["predicted"].items()]
+    return min(gaps), max(gaps)
+
+
 def maximum(rows: list[dict], column: str, where: dict | None = None) -> float:
     """The largest value of the column over the matching rows (a peak over sizes, not over runs)."""
     return max(_pooled(rows, column, where))
@@ -140,6 +160,16 @@ def paired_ratios(rows: list[dict], column: str, num: dict, den: dict,
         groups.setdefault(get(row, pair_by), []).append(row)
     ratios = [ratio(group, column, num, den) for _, group in sorted(groups.items())]
     return statistics.median(ratios), min(ratios), max(ratios), len(ratios)
+
+
+def numbers_in_lines(rows: list[dict], pattern: str) -> tuple:
+    """(median, min, max, n) of the number each log line matching `pattern` captures (its first
+    group): for logs whose lines are prose, such as `... max |param diff| = 0.0111`."""
+    xs = [float(m.group(1)) for row in rows if "line" in row
+          for m in [re.search(pattern, row["line"])] if m]
+    if not xs:
+        raise LookupError(f"no line matches {pattern!r}")
+    return statistics.median(xs), min(xs), max(xs), len(xs)
 
 
 def within(rows: list[dict], column: str, limit: float, where: dict | None = None) -> tuple:

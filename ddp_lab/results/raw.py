@@ -53,10 +53,15 @@ def _json_rows(path: str) -> list[dict]:
     return data if isinstance(data, list) else [data]
 
 
-def _kv_rows(path: str) -> list[dict]:
+def _log_rows(path: str) -> list[dict]:
+    """One row per line: its text as `line`, and its fields too where it is a line of fields."""
+    rows = []
     with open(path) as f:
-        return [{k: scalar(v) for k, v in (field.split("=", 1) for field in line.split())}
-                for line in f if _KV_LINE.match(line)]
+        for line in f:
+            fields = ({k: scalar(v) for k, v in (kv.split("=", 1) for kv in line.split())}
+                      if _KV_LINE.match(line) else {})
+            rows.append({"line": line.rstrip("\n"), **fields})
+    return rows
 
 
 def _cells(line: str) -> list[str]:
@@ -79,8 +84,8 @@ def _md_rows(path: str) -> list[dict]:
     return rows
 
 
-READERS = {".csv": _csv_rows, ".jsonl": _jsonl_rows, ".json": _json_rows, ".log": _kv_rows,
-           ".txt": _kv_rows, ".md": _md_rows}
+READERS = {".csv": _csv_rows, ".jsonl": _jsonl_rows, ".json": _json_rows, ".log": _log_rows,
+           ".txt": _log_rows, ".md": _md_rows}
 
 
 def read(folder: str, name: str) -> list[dict]:
