@@ -20,14 +20,6 @@ import statistics
 from ddp_lab.results.raw import get, matches, select
 
 
-def _has(row: dict, column: str) -> bool:
-    try:
-        get(row, column)
-    except KeyError:
-        return False
-    return True
-
-
 def _one(rows: list[dict], where: dict | None, columns: tuple[str, ...] = ()) -> dict:
     """The one row matching `where` among those that have `columns` (a report's tables share
     keys such as `N`; the column names the table)."""
@@ -35,6 +27,14 @@ def _one(rows: list[dict], where: dict | None, columns: tuple[str, ...] = ()) ->
     if len(chosen) != 1:
         raise LookupError(f"{len(chosen)} rows with {list(columns)} match {where}, expected one")
     return chosen[0]
+
+
+def _has(row: dict, column: str) -> bool:
+    try:
+        get(row, column)
+    except KeyError:
+        return False
+    return True
 
 
 def _numbers(value) -> list[float]:
@@ -46,7 +46,12 @@ def _numbers(value) -> list[float]:
 
 
 def _pooled(rows: list[dict], column: str, where: dict | None) -> list[float]:
-    return [x for row in select(rows, where) for x in _numbers(get(row, column))]
+    """Every number of the column over the matching rows that have it (a log's other lines
+    lack it)."""
+    chosen = [r for r in select(rows, where) if _has(r, column)]
+    if not chosen:
+        raise LookupError(f"no row matching {where} has {column!r}")
+    return [x for row in chosen for x in _numbers(get(row, column))]
 
 
 def value(rows: list[dict], column: str, where: dict | None = None) -> float:
@@ -154,11 +159,12 @@ def bootstrap_ratio_of_medians(rows: list[dict], column: str, num: dict, den: di
 def paired_ratios(rows: list[dict], column: str, num: dict, den: dict,
                   pair_by: str = "_file") -> tuple:
     """(median, min, max, n) of per-run ratios: within each group of rows sharing `pair_by` (by
-    default one file: one run), the `num` row's column over the `den` row's."""
+    default one file: one run), the median of the `num` selection's column over the `den`
+    selection's (with one row each, their ratio)."""
     groups: dict = {}
     for row in rows:
         groups.setdefault(get(row, pair_by), []).append(row)
-    ratios = [ratio(group, column, num, den) for _, group in sorted(groups.items())]
+    ratios = [ratio_of_medians(group, column, num, den) for _, group in sorted(groups.items())]
     return statistics.median(ratios), min(ratios), max(ratios), len(ratios)
 
 
