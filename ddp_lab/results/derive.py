@@ -19,6 +19,9 @@ import statistics
 
 from ddp_lab.results.raw import get, matches, select
 
+# The storages a summary.json's `memory` block counts per rank (ddp_lab/summary.py).
+MEMORY_KINDS = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "comm_buffer_bytes")
+
 
 def _one(rows: list[dict], where: dict | None, columns: tuple[str, ...] = ()) -> dict:
     """The one row matching `where` among those that have `columns` (a report's tables share
@@ -59,10 +62,12 @@ def value(rows: list[dict], column: str, where: dict | None = None) -> float:
     return get(_one(rows, where, (column,)), column)
 
 
-def row_values(rows: list[dict], columns: list[str], where: dict | None = None) -> tuple:
-    """Several columns of the one row matching `where`, in order (a table row)."""
+def row_values(rows: list[dict], columns: list[str], where: dict | None = None,
+               unit: float = 1) -> tuple:
+    """Several columns of the one row matching `where`, in order (a table row), each divided by
+    `unit` (1e6: bytes as MB)."""
     row = _one(rows, where, tuple(columns))
-    return tuple(get(row, c) for c in columns)
+    return tuple(get(row, c) / unit if unit != 1 else get(row, c) for c in columns)
 
 
 def throughput_row(rows: list[dict], where: dict | None = None) -> tuple:
@@ -100,11 +105,31 @@ def excess(rows: list[dict], column: str, over: str, where: dict | None = None) 
 
 
 def counted_minus_predicted(rows: list[dict], block: str = "memory") -> tuple:
-    """(lowest, highest) bytes counted minus predicted over every field of every row's `block` of
-    a summary.json (`memory`: per-rank counts of each kind of storage beside its prediction)."""
-    gaps = [sum(_numbers(row[block][field])) - predicted
-            for row in rows for field, predicted in row[block]["predicted"].items()]
+    """(lowest, highest) bytes counted minus predicted, over every rank's count of every field
+    of every row's `block` of a summary.json (`memory`: each rank's count of each kind of storage,
+    beside one prediction per rank)."""
+    gaps = [count - predicted for row in rows
+            for field, predicted in row[block]["predicted"].items()
+            for count in _numbers(row[block][field])]
     return min(gaps), max(gaps)
+
+
+def memory_row(rows: list[dict], where: dict | None = None, unit: float = 1e6) -> tuple:
+    """A summary.json `memory` block as a table row: rank 0's parameters, gradients, optimizer
+    state, communication buffers and their total (in `unit` bytes), and bytes counted minus
+    predicted over the four."""
+    block = get(_one(rows, where, ("memory",)), "memory")
+    counts = [_numbers(block[k])[0] for k in MEMORY_KINDS]
+    excess = sum(counts) - sum(block["predicted"][k] for k in MEMORY_KINDS)
+    return (*(c / unit for c in counts), sum(counts) / unit, excess)
+
+
+def ranks_counted(rows: list[dict], where: dict | None = None) -> str:
+    """"the same" when every rank of every matching summary.json counted the same bytes of each
+    kind in its `memory` block, else "differently"."""
+    same = all(len(set(_numbers(get(row, "memory")[k]))) == 1
+               for row in select(rows, where) for k in MEMORY_KINDS)
+    return "the same" if same else "differently"
 
 
 def maximum(rows: list[dict], column: str, where: dict | None = None) -> float:
@@ -196,6 +221,10 @@ def crossover(rows: list[dict], key: str, slow: str, fast: str) -> float:
     return best
 
 
-def largest_abs(rows: list[dict], column: str, where: dict | None = None) -> float:
-    """The largest |column| over the matching rows (the worst error, whatever its sign)."""
-    return max(abs(x) for x in _pooled(rows, column, where))
+def largest_abs(rows: list[dict], column: str, where: dict | None = None,
+                minus: str | None = None) -> float:
+    """The largest |column| (or |column - minus|: counted against predicted) over the matching
+    rows: the worst error, whatever its sign."""
+    if minus is None:
+        return max(abs(x) for x in _pooled(rows, column, where))
+    return max(abs(get(r, column) - get(r, minus)) for r in select(rows, where))
