@@ -157,9 +157,11 @@ def count(rows: list[dict], where: dict | None = None) -> int:
     return sum(matches(row, where) for row in rows)
 
 
-def median_min_max(rows: list[dict], column: str, where: dict | None = None) -> tuple:
-    """(median, min, max, n) of every number in the column over the matching rows."""
-    xs = _pooled(rows, column, where)
+def median_min_max(rows: list[dict], column: str, where: dict | None = None,
+                   unit: float = 1) -> tuple:
+    """(median, min, max, n) of every number in the column over the matching rows, divided by
+    `unit` (1e3: microseconds as milliseconds)."""
+    xs = [x / unit for x in _pooled(rows, column, where)]
     return statistics.median(xs), min(xs), max(xs), len(xs)
 
 
@@ -201,6 +203,20 @@ def numbers_in_lines(rows: list[dict], pattern: str) -> tuple:
     if not xs:
         raise LookupError(f"no line matches {pattern!r}")
     return statistics.median(xs), min(xs), max(xs), len(xs)
+
+
+def line_ratios(rows: list[dict], num: str, den: str) -> tuple:
+    """(median, min, max, n) of per-pass ratios from a log of prose lines: the number the k-th
+    line matching `num` captures over the one the k-th line matching `den` captures (a sweep's
+    passes, logged one after the other)."""
+    def captured(pattern: str) -> list[float]:
+        return [float(m.group(1)) for row in rows if "line" in row
+                for m in [re.search(pattern, row["line"])] if m]
+    xs, ys = captured(num), captured(den)
+    if not xs or len(xs) != len(ys):
+        raise LookupError(f"{len(xs)} lines match {num!r} and {len(ys)} match {den!r}")
+    ratios = [x / y for x, y in zip(xs, ys)]
+    return statistics.median(ratios), min(ratios), max(ratios), len(ratios)
 
 
 def within(rows: list[dict], column: str, limit: float, where: dict | None = None) -> tuple:
