@@ -69,6 +69,8 @@ def _figure(entry: dict, where: str) -> Figure:
                  quoted=dict(entry["quoted"]))
     if not fig.files:
         raise ManifestError(f"{where}: figure {fig.name!r} names no raw file")
+    if "\n" in fig.printed or "\n" in fig.format:
+        raise ManifestError(f"{where}: figure {fig.name!r}: a printed value is one line")
     for place, words in fig.quoted.items():
         if fig.printed not in words:
             raise ManifestError(f"{where}: figure {fig.name!r}: the words quoted in {place} "
