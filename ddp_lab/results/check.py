@@ -72,12 +72,13 @@ def check_figure(root: str, finding: str, fig: manifest.Figure, texts: dict) -> 
         if out.derived not in ("error", fig.printed):
             out.problems.append(f"printed {fig.printed!r} but {', '.join(fig.files)} give "
                                 f"{out.derived!r}")
-    for place, words in fig.quoted.items():
+    for place, quotes in fig.quoted.items():
         text = _read(root, place, texts)
         if text is None:
             out.problems.append(f"quoted in {place}, which does not exist")
-        elif _normal(words) not in text:
-            out.problems.append(f"{place} no longer reads {words!r}")
+            continue
+        out.problems += [f"{place} no longer reads {words!r}" for words in quotes
+                         if _normal(words) not in text]
     return out
 
 

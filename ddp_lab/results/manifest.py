@@ -17,8 +17,9 @@ or README.md quotes, with what it is derived from.
 - `files`: raw files, relative to the finding's folder; `derive`: a function (dotted name) called
   with their rows and `args`.
 - `quoted`: each place that prints the figure (a path from the repository root) and the words
-  around it there, which must contain `printed`: an edit of the figure in that place breaks the
-  words, so the check fails (whitespace is compared collapsed, as Markdown reflows lines).
+  around it there (a list where it is printed more than once), which must contain `printed`: an
+  edit of the figure in that place breaks the words, so the check fails (whitespace is compared
+  collapsed, as Markdown reflows lines).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Figure:
     derive: str  # dotted name of a function (rows, **args) -> number or tuple of numbers
     args: dict
     format: str
-    quoted: dict[str, str]  # path from the repository root -> the words around the figure there
+    quoted: dict[str, tuple[str, ...]]  # path from the repository root -> the words around it there
 
     def function(self) -> Callable:
         module, _, attr = self.derive.rpartition(".")
@@ -66,15 +67,17 @@ def _figure(entry: dict, where: str) -> Figure:
                             f"{sorted(missing)}, unknown keys {sorted(unknown)}")
     fig = Figure(name=entry["name"], printed=entry["printed"], files=tuple(entry["files"]),
                  derive=entry["derive"], args=dict(entry["args"]), format=entry["format"],
-                 quoted=dict(entry["quoted"]))
+                 quoted={place: (words,) if isinstance(words, str) else tuple(words)
+                         for place, words in entry["quoted"].items()})
     if not fig.files:
         raise ManifestError(f"{where}: figure {fig.name!r} names no raw file")
     if "\n" in fig.printed or "\n" in fig.format:
         raise ManifestError(f"{where}: figure {fig.name!r}: a printed value is one line")
-    for place, words in fig.quoted.items():
-        if fig.printed not in words:
-            raise ManifestError(f"{where}: figure {fig.name!r}: the words quoted in {place} "
-                                f"({words!r}) do not contain its printed value {fig.printed!r}")
+    for place, quotes in fig.quoted.items():
+        for words in quotes:
+            if fig.printed not in words:
+                raise ManifestError(f"{where}: figure {fig.name!r}: the words quoted in {place} "
+                                    f"({words!r}) do not contain its printed value {fig.printed!r}")
     return fig
 
 
