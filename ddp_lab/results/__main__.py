@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("findings", nargs="*", help="finding folders to check (default: all, "
                         "and the headline places)")
     parser.add_argument("--root", default=".", help="the repository root (default: .)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     text, ok = report(*check(args.root, args.findings or None))
     print(text)
     return 0 if ok else 1
