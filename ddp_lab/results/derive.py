@@ -57,6 +57,17 @@ def _pooled(rows: list[dict], column: str, where: dict | None) -> list[float]:
     return [x for row in chosen for x in _numbers(get(row, column))]
 
 
+def _spread(xs: list[float]) -> tuple:
+    """(median, min, max, n): how a timing or a ratio over repeats is printed."""
+    return statistics.median(xs), min(xs), max(xs), len(xs)
+
+
+def _captured(rows: list[dict], pattern: str) -> list[float]:
+    """The number each log line matching `pattern` captures in its first group, in order."""
+    return [float(m.group(1)) for row in rows if "line" in row
+            for m in [re.search(pattern, row["line"])] if m]
+
+
 def value(rows: list[dict], column: str, where: dict | None = None) -> float:
     """The column of the one row matching `where`."""
     return get(_one(rows, where, (column,)), column)
@@ -161,8 +172,7 @@ def median_min_max(rows: list[dict], column: str, where: dict | None = None,
                    unit: float = 1) -> tuple:
     """(median, min, max, n) of every number in the column over the matching rows, divided by
     `unit` (1e3: microseconds as milliseconds)."""
-    xs = [x / unit for x in _pooled(rows, column, where)]
-    return statistics.median(xs), min(xs), max(xs), len(xs)
+    return _spread([x / unit for x in _pooled(rows, column, where)])
 
 
 def ratio_of_medians(rows: list[dict], column: str, num: dict, den: dict) -> float:
@@ -191,32 +201,27 @@ def paired_ratios(rows: list[dict], column: str, num: dict, den: dict,
     groups: dict = {}
     for row in rows:
         groups.setdefault(get(row, pair_by), []).append(row)
-    ratios = [ratio_of_medians(group, column, num, den) for _, group in sorted(groups.items())]
-    return statistics.median(ratios), min(ratios), max(ratios), len(ratios)
+    return _spread([ratio_of_medians(group, column, num, den)
+                    for _, group in sorted(groups.items())])
 
 
 def numbers_in_lines(rows: list[dict], pattern: str) -> tuple:
     """(median, min, max, n) of the number each log line matching `pattern` captures (its first
     group): for logs whose lines are prose, such as `... max |param diff| = 0.0111`."""
-    xs = [float(m.group(1)) for row in rows if "line" in row
-          for m in [re.search(pattern, row["line"])] if m]
+    xs = _captured(rows, pattern)
     if not xs:
         raise LookupError(f"no line matches {pattern!r}")
-    return statistics.median(xs), min(xs), max(xs), len(xs)
+    return _spread(xs)
 
 
 def line_ratios(rows: list[dict], num: str, den: str) -> tuple:
     """(median, min, max, n) of per-pass ratios from a log of prose lines: the number the k-th
     line matching `num` captures over the one the k-th line matching `den` captures (a sweep's
     passes, logged one after the other)."""
-    def captured(pattern: str) -> list[float]:
-        return [float(m.group(1)) for row in rows if "line" in row
-                for m in [re.search(pattern, row["line"])] if m]
-    xs, ys = captured(num), captured(den)
+    xs, ys = _captured(rows, num), _captured(rows, den)
     if not xs or len(xs) != len(ys):
         raise LookupError(f"{len(xs)} lines match {num!r} and {len(ys)} match {den!r}")
-    ratios = [x / y for x, y in zip(xs, ys)]
-    return statistics.median(ratios), min(ratios), max(ratios), len(ratios)
+    return _spread([x / y for x, y in zip(xs, ys)])
 
 
 def within(rows: list[dict], column: str, limit: float, where: dict | None = None) -> tuple:
