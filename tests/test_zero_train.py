@@ -14,11 +14,14 @@ from functools import partial
 import pytest
 import torch
 
+from ddp_lab.models import build_model
 from helpers import SMALL, SMALL_BUCKETS, check, final_params, launch_together, max_abs_diff, ranks, summary
 from reliab_helpers import RESUME, assert_same_training_state, launch, train_log
 
 TOLERANCE = 1e-6
-FP16 = ["precision=fp16", "train.batch_size=4"]  # fp16 convolutions are slow on CPU: small steps
+# fp16 convolutions are slow on CPU: small steps. Rank 0's logits are made NaN at step 2, so a
+# step is skipped and the comparison of skipped steps compares something.
+FP16 = ["precision=fp16", "train.batch_size=4", "fault.nan_at_step=2"]
 RUNS = {  # id: overrides (2 ranks x 16, helpers.SMALL)
     "ring-zero1": ["sync=ring", "sync.zero=1"],
     "ring-zero2": ["sync=ring", "sync.zero=2"],
@@ -79,20 +82,34 @@ def test_zero_with_sgd_trains_like_ddp_and_one_process(run, launched, small_refe
 
 @pytest.mark.timeout(600)
 def test_zero2_with_adamw_is_close_to_ddp(launched):
+    """At N = 2 both sums are the same additions (DDP divides by 2 first, we after: exact
+    either way), so the gradients are equal; what may differ is fused AdamW's rounding of an
+    element in a flat shard against in its own parameter (a vector lane or the scalar tail: an
+    FMA or not), at most a few ulp of the parameter a step. Tolerance: 4 ulp x 3 steps, per
+    element, relative to the parameter (measured: 1 of 3.0 M elements apart, by 2.3e-10)."""
     got, ref = (final_params(launched(r)) for r in ("ring-zero2-adamw", "ddp-adamw"))
-    diffs = torch.cat([(got[k].double() - ref[k].double()).abs().view(-1) for k in ref])
-    lr, steps = 1e-3, 3
-    assert diffs.max() <= 2 * lr * steps and int((diffs > TOLERANCE).sum()) <= 4, \
-        (diffs.max().item(), int((diffs > TOLERANCE).sum()))
+    ulp, steps = torch.finfo(torch.float32).eps, 3
+    for k in ref:
+        diff = (got[k].double() - ref[k].double()).abs()
+        bound = 4 * steps * ulp * ref[k].double().abs()
+        assert (diff <= bound).all(), (k, diff.max().item(), int((diff > bound).sum()))
 
 
 @pytest.mark.timeout(600)
 def test_zero2_with_fp16_loss_scaling_trains_like_zero0(launched):
+    """Step 2's NaN is skipped on every rank at both stages (the loss scaler's verdict, all-
+    reduced at zero=2 where each rank sees a shard), the other steps train alike: parameters
+    within 1e-6 of zero=0's and moved from the initial weights."""
     runs = [launched(r) for r in ("ring-zero2-fp16", "ring-fp16")]
     s = [summary(r) for r in runs]
-    assert s[0]["nonfinite_skipped_steps"] == s[1]["nonfinite_skipped_steps"]
+    assert s[0]["nonfinite_skipped_steps"] == s[1]["nonfinite_skipped_steps"] >= 1
     assert s[0]["rank_nonfinite_skipped_steps"][0] == s[0]["rank_nonfinite_skipped_steps"][1]
-    assert max_abs_diff(*(final_params(r) for r in runs)) < TOLERANCE
+    assert 2 in s[0]["rank_nonfinite_skipped_steps"][0]
+    zero2, zero0 = (final_params(r) for r in runs)
+    assert max_abs_diff(zero2, zero0) < TOLERANCE
+    torch.manual_seed(0)  # the runs' seed: ddp_lab.step.build_parts makes their initial weights
+    initial = build_model("alexnet_cifar", 10, 0.0, fc_width=512).state_dict()
+    assert max_abs_diff(zero2, initial) > 100 * TOLERANCE
 
 
 @pytest.mark.timeout(600)
