@@ -35,7 +35,8 @@ from torch import nn
 from ddp_lab import checkpoint, provenance, trace
 from ddp_lab.cli import run_hydra_app, setup_logging
 from ddp_lab.config import Config, ConfigError, check_steps_reachable, validate
-from ddp_lab.cost.memory import MEMORY_KEYS, HeldMemory, predict_held
+from ddp_lab.held_memory import MEMORY_KEYS, HeldMemory
+from ddp_lab.perf.memory import predict_held
 from ddp_lab.data import Data, build_data
 from ddp_lab.dtypes import element_size
 from ddp_lab.dist import DistInfo, Heartbeat, collective_errors, destroy_group, init_group

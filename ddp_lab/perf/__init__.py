@@ -1,0 +1,1 @@
+"""The performance model (map: to be written)."""
