@@ -101,6 +101,16 @@ def test_measured_network_uses_the_fits():
     assert m.algos() == ["native"]
     assert m.allreduce_s("ring", 1e6, 4) == pytest.approx(cost("ring", 1e6, 4).time(50e-6, 1e-9))
     assert params.measured_network(fits, "nccl") is None
+    assert m.source == "native: measured: alpha-beta fit of 30 gloo timings at N=2,4,8"
+
+
+def test_every_given_link_says_where_it_comes_from():
+    for name, network in params.PRESETS.items():
+        links = [link for link in (network.intra, network.inter) if link is not None]
+        assert links and all(link.source.startswith(("given: ", "reconstructed: "))
+                             for link in links), name
+    assert "NVLink ~370 GB/s" in params.PRESETS["ib400"].source
+    assert "inter: given: 400 Gb/s InfiniBand" in params.PRESETS["ib400"].source
 
 
 @pytest.mark.parametrize("name, params_m", [("alexnet", 61.10), ("alexnet_cifar", 23.27),

@@ -2,7 +2,6 @@
 fits against synthetic timings, the interference schedule against the model it extends, and the
 per-phase prediction of sweep rows with its report and CSV."""
 
-import math
 import random
 
 import pytest
