@@ -66,6 +66,7 @@ def make_buckets(profile: ModelProfile, bucket_mb: float, elem_bytes: int,
     return buckets_of(profile.gradients_in_backward_order(), elem_bytes, bucket_mb, rule,
                       first_bucket_mb)
 
+
 @dataclass(frozen=True)
 class Schedule:
     """One step's backward and bucket all-reduces, as `schedule` plays them."""
