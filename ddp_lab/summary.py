@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab import trace
-from ddp_lab.cost.memory import MEMORY_KEYS, predict_held
+from ddp_lab.held_memory import MEMORY_KEYS
+from ddp_lab.perf.memory import predict_held
 from ddp_lab.dtypes import element_size
 from ddp_lab.metrics import with_exposed_comm
 from ddp_lab.step import compiled_graphs

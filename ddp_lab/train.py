@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from ddp_lab import checkpoint, provenance
 from ddp_lab.cli import run_hydra_app, setup_logging
 from ddp_lab.config import Config, check_steps_reachable, validate
-from ddp_lab.cost.memory import HeldMemory
+from ddp_lab.held_memory import HeldMemory
 from ddp_lab.data import Data, build_data
 from ddp_lab.dist import DistInfo, Heartbeat, collective_errors, destroy_group, init_group
 from ddp_lab.fault import Faults

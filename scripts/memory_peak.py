@@ -1,4 +1,4 @@
-"""What is alive at the peak of a training step on the GPU, against what ddp_lab.cost.memory
+"""What is alive at the peak of a training step on the GPU, against what ddp_lab.perf.memory
 predicts: the runs of `python -m ddp_lab.bench.memory_fit measure_zero=[...]` (ddp_lab's loop,
 sync=ring, AdamW, world size 1) under the CUDA caching allocator's history
 (`torch.cuda.memory._record_memory_history`). The history is replayed to the moment the allocated

@@ -41,7 +41,7 @@ SCALE_TINY = ["model.fc_width=512", "data.num_samples=512", "model.default_class
               "repeats=1"]  # (the sweep's own: one pass, even on a busy machine)
 # DDP and one of our syncs, end to end (each point is a torchrun job, ~25 s on a 2-core VM). The
 # bytes naive and tree send are checked exactly below this level: tests/test_comm.py (per
-# algorithm and rank), tests/test_sync.py (per step), tests/test_cost_network.py (the model).
+# algorithm and rank), tests/test_sync.py (per step), tests/test_perf_network.py (the model).
 SCALE_SWEPT = ["ddp", "ring"]
 
 

@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from ddp_lab.bench.common import format_table, plot_lines, time_fn, write_rows
-from ddp_lab.comm.cost import bus_bandwidth, cost
+from ddp_lab.bench.common import plot_lines, time_fn
+from ddp_lab.perf.collectives import bus_bandwidth, cost
+from ddp_lab.tables import format_table, write_rows
 from helpers import launch_together, run_cmd
 
 

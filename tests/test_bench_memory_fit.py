@@ -109,7 +109,7 @@ def test_zero_stages_per_gpu_and_gpus_needed():
     from types import SimpleNamespace
 
     from ddp_lab.bench.memory_fit import zero_rows
-    from ddp_lab.cost import memory as mem
+    from ddp_lab.perf import memory as mem
 
     cfg = SimpleNamespace(zero_stages=[0, 1, 2, 3], zero_gpus=[1, 8, 64], zero_scheme="mixed",
                           optimizer="adam", gpu_gb=80.0)

@@ -58,7 +58,7 @@ def test_probe_measures_slowdowns_with_its_samples(probes):
 
 
 def test_the_model_reads_and_pools_probes(probes):
-    from ddp_lab.scale.predict import Probe
+    from ddp_lab.perf.probe import Probe
 
     result, path = probes["ring"]
     one, two = Probe.load(path), Probe.load(path, path)

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import CONF_DIR, SCALE_SWEPT, SCALE_TINY, check, launch_together, scale
 
-from ddp_lab.scale.predict import PHASES
+from ddp_lab.perf.predict import PHASES
 
 def read_csv(path):
     with open(path, newline="") as f:
@@ -163,13 +163,13 @@ def test_model_predicts_every_point_phase_by_phase(scale_sweep):
 
 def test_the_models_buckets_are_the_syncs(scale_sweep):
     """The bucket layout the model (and the probe) assume is the one the sync built."""
-    from ddp_lab.cost import network as net
+    from ddp_lab.perf import step
 
     out, _ = scale_sweep
     summary = json.load(open(out / "points" / "n2-ring" / "summary.json"))
     probe = json.load(open(out / "interference" / "n2-ring.json"))
     numels = probe["param_numels"][::-1]
-    assert summary["comm"]["bucket_bytes"] == net.bucket_layout(numels, 4, 25.0, "ours")
+    assert summary["comm"]["bucket_bytes"] == step.bucket_layout(numels, 4, 25.0, "ours")
     assert probe["derived"]["ring"]["bucket_bytes"] == summary["comm"]["bucket_bytes"]
 
 
@@ -276,7 +276,7 @@ def test_simulation_entry_point(together):
 def test_the_report_shows_the_largest_world_sizes_timelines(tmp_path):
     """Points run with train.trace=true keep trace.json and timeline.png; report.md shows the
     timelines of the largest world size, with their overlap figures."""
-    from ddp_lab.scale.outputs import timelines
+    from ddp_lab.scale.report import timelines
 
     ok = [{"point": "n1-ring", "world_size": 1}, {"point": "n2-ring", "world_size": 2},
           {"point": "n2-ddp", "world_size": 2}]

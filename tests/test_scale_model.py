@@ -2,13 +2,12 @@
 fits against synthetic timings, the interference schedule against the model it extends, and the
 per-phase prediction of sweep rows with its report and CSV."""
 
-import math
 import random
 
 import pytest
 
-from ddp_lab.comm.cost import cost
-from ddp_lab.cost import network as net
+from ddp_lab.perf import compute, fit, params, step
+from ddp_lab.perf.collectives import cost
 
 KIB, MIB = 1024, 1 << 20
 SIZES = [4 * KIB * 2 ** i for i in range(15)]  # the CPU calibration's sizes: 4 KiB ... 64 MiB
@@ -34,7 +33,7 @@ def test_fit_recovers_size_regimes(algo, noise):
     """Two protocols (eager below 256 KiB, rendezvous above): the fit finds the switch and each
     side's alpha and beta, where one line misses the small messages badly."""
     small, large = (0.0, 30e-6, 1 / 3e9), (256 * KIB, 200e-6, 1 / 1.5e9)
-    f = net.fit_alpha_beta(timings(algo, [small, large], noise=noise, seed=2))[(algo, "gloo")]
+    f = fit.fit_alpha_beta(timings(algo, [small, large], noise=noise, seed=2))[(algo, "gloo")]
     tol = 1e-6 if noise == 0 else 0.15
     assert [r.lo_bytes for r in f.regimes] == [0.0, 256 * KIB]
     for got, (_, alpha, beta) in zip(f.regimes, (small, large)):
@@ -50,7 +49,7 @@ def test_fit_recovers_size_regimes(algo, noise):
 def test_one_line_stays_one_line():
     """Noise alone buys no regime and no per-world-size fit."""
     rows = timings("ring", [(0.0, 25e-6, 1 / 10e9)], noise=0.03, seed=5)
-    f = net.fit_alpha_beta(rows)[("ring", "gloo")]
+    f = fit.fit_alpha_beta(rows)[("ring", "gloo")]
     assert len(f.regimes) == 1 and not f.by_world_size
     assert f.alpha_s == pytest.approx(25e-6, rel=0.15) and f.bandwidth_GBps == pytest.approx(
         10, rel=0.1)
@@ -61,7 +60,7 @@ def test_fit_per_world_size_where_bandwidth_depends_on_n():
     beta fits all N; one fit per world size does, and it is used at those world sizes."""
     slower = lambda beta, n: beta * (1 + 0.6 * (n - 2))
     rows = timings("ring", [(0.0, 40e-6, 1 / 4e9)], world_sizes=(2, 4, 8), beta_of_n=slower)
-    f = net.fit_alpha_beta(rows)[("ring", "gloo")]
+    f = fit.fit_alpha_beta(rows)[("ring", "gloo")]
     assert [n for n, _ in f.by_world_size] == [2, 4, 8]
     for n, per_n in f.by_world_size:
         assert per_n.beta_s_per_byte == pytest.approx(slower(1 / 4e9, n), rel=1e-6)
@@ -73,12 +72,12 @@ def test_fit_per_world_size_where_bandwidth_depends_on_n():
 
 def test_few_sizes_fit_one_line():
     rows = [r for r in timings("native", [(0.0, 50e-6, 1e-9)]) if r["bytes"] in SIZES[:2]]
-    f = net.fit_alpha_beta(rows)[("native", "gloo")]
+    f = fit.fit_alpha_beta(rows)[("native", "gloo")]
     assert len(f.regimes) == 1 and f.alpha_s == pytest.approx(50e-6, rel=1e-6)
 
 
 def _old_exposed(buckets, backward_s, t, overlap):
-    """The model before interference (ddp_lab.cost.network as it was): the reference."""
+    """The model before interference (step.schedule before it learnt it): the reference."""
     end, busy = 0.0, 0.0
     for b in buckets:
         start = max(end, b.ready * backward_s if overlap else backward_s)
@@ -91,46 +90,49 @@ def _old_exposed(buckets, backward_s, t, overlap):
 def test_no_interference_is_the_old_model(seed):
     rng = random.Random(seed)
     fracs = sorted(rng.random() for _ in range(rng.randint(1, 6)))
-    buckets = [net.Bucket(rng.randint(1, 100) * MIB, f) for f in fracs]
+    buckets = [step.Bucket(rng.randint(1, 100) * MIB, f) for f in fracs]
     backward = rng.uniform(0.001, 0.5)
     t = lambda nb: 1e-4 + nb / rng.choice([1e8, 1e9, 1e10])
     t = {b.nbytes: t(b.nbytes) for b in buckets}.__getitem__  # one time per size
     for overlap in (True, False):
         exposed, busy = _old_exposed(buckets, backward, t, overlap)
-        s = net.schedule(buckets, backward, t, overlap)
+        s = step.schedule(buckets, backward, t, overlap)
         assert s.exposed_s == pytest.approx(exposed, rel=1e-9, abs=1e-12)
         assert s.busy_s == pytest.approx(busy, rel=1e-12)
         assert s.slowdown_s == pytest.approx(0.0, abs=1e-12)
         assert s.backward_end_s == pytest.approx(backward, rel=1e-12)
-    profile = net.profile_model("alexnet_cifar")
-    network = net.Network("flat", intra=net.Link.of(50.0, 2.0), gpus_per_node=8)
+    profile = compute.profile_model("alexnet_cifar")
+    network = params.Network("flat", intra=params.Link.of(50.0, 2.0), gpus_per_node=8)
     kw = dict(forward_s=0.03, backward_s=backward, other_s=0.05, bucket_mb=25.0)
-    p = net.predict_step(profile, network, "ring", 4, **kw)
-    ref, _ = _old_exposed(net.make_buckets(profile, 25.0, 4), backward,
+    p = step.predict_step(profile, network, "ring", 4, **kw)
+    ref, _ = _old_exposed(step.make_buckets(profile, 25.0, 4), backward,
                           lambda nb: network.allreduce_s("ring", nb, 4), True)
     assert p.step_s == pytest.approx(0.03 + backward + 0.05 + ref, rel=1e-12)
-    assert p == net.predict_step(profile, network, "ring", 4, **kw,
-                                 interference=net.Interference(1.0, 1.0))
+    assert p == step.predict_step(profile, network, "ring", 4, **kw,
+                                  interference=params.Interference(1.0, 1.0))
 
 
 def test_interference_slows_both_sides():
     """One bucket ready at once, longer than backward: backward runs at 1/2 speed beside it, the
     all-reduce at 1/3 until backward ends, then at full speed."""
-    b = [net.Bucket(1, 0.0)]
-    s = net.schedule(b, 1.0, lambda nb: 4.0, interference=net.Interference(compute=2.0, comm=3.0))
+    b = [step.Bucket(1, 0.0)]
+    s = step.schedule(b, 1.0, lambda nb: 4.0,
+                      interference=params.Interference(compute=2.0, comm=3.0))
     assert s.backward_end_s == pytest.approx(2.0) and s.slowdown_s == pytest.approx(1.0)
     assert s.comm_end_s == pytest.approx(2.0 + (4.0 - 2.0 / 3))
     assert s.exposed_s == pytest.approx(s.comm_end_s - 1.0)
     # Nothing to overlap: no slowdown, whatever the interference.
-    late = net.schedule([net.Bucket(1, 1.0)], 1.0, lambda nb: 4.0,
-                        interference=net.Interference(2.0, 3.0))
+    late = step.schedule([step.Bucket(1, 1.0)], 1.0, lambda nb: 4.0,
+                         interference=params.Interference(2.0, 3.0))
     assert late.slowdown_s == 0 and late.exposed_s == pytest.approx(4.0)
     # More interference, longer step; no buckets, nothing lost.
-    steps = [net.schedule([net.Bucket(1, 0.2), net.Bucket(1, 0.6), net.Bucket(1, 1.0)], 1.0,
-                          lambda nb: 0.3, interference=net.Interference(c, m)).exposed_s
+    bs = [step.Bucket(1, 0.2), step.Bucket(1, 0.6), step.Bucket(1, 1.0)]
+    steps = [step.schedule(bs, 1.0, lambda nb: 0.3,
+                           interference=params.Interference(c, m)).exposed_s
              for c, m in ((1, 1), (1.5, 1), (1.5, 2), (3, 3))]
     assert steps == sorted(steps) and steps[0] < steps[-1]
-    assert net.schedule([], 1.0, lambda nb: 1.0, interference=net.Interference(5, 5)).exposed_s == 0
+    nothing = step.schedule([], 1.0, lambda nb: 1.0, interference=params.Interference(5, 5))
+    assert nothing.exposed_s == 0
 
 
 def test_buckets_are_priced_by_the_probe_where_it_timed_them():
@@ -138,40 +140,40 @@ def test_buckets_are_priced_by_the_probe_where_it_timed_them():
     any other size, and ZeRO-2's reduce-scatter (not probed), what the fit says."""
     from types import SimpleNamespace
 
-    from ddp_lab.scale.predict import bucket_time_s
+    from ddp_lab.perf.predict import bucket_time_s
 
-    fit = net.fit_alpha_beta(timings("ring", [(0, 1e-4, 1e-9)]), 1)[("ring", "gloo")]
+    ring = fit.fit_alpha_beta(timings("ring", [(0, 1e-4, 1e-9)]), 1)[("ring", "gloo")]
     measured = {"bucket_bytes": [64 * MIB, 24 * MIB], "bucket_ms": [[1.0, 90.0, 2.0],
                                                                     [0.5, 30.0, 0.7]]}
     point = lambda zero: SimpleNamespace(world_size=4, config={"sync": {"zero": zero}})
     for zero in (0, 1):
-        assert bucket_time_s(64 * MIB, point(zero), fit, measured) == pytest.approx(0.090)
-        assert bucket_time_s(24 * MIB, point(zero), fit, measured) == pytest.approx(0.030)
-        assert bucket_time_s(8 * MIB, point(zero), fit, measured) == pytest.approx(
-            fit.time_s(8 * MIB, 4))
-    assert bucket_time_s(64 * MIB, point(2), fit, measured) == pytest.approx(
-        fit.time_s(64 * MIB, 4, "reduce_scatter"))
-    assert bucket_time_s(64 * MIB, point(0), fit, {}) == pytest.approx(fit.time_s(64 * MIB, 4))
+        assert bucket_time_s(64 * MIB, point(zero), ring, measured) == pytest.approx(0.090)
+        assert bucket_time_s(24 * MIB, point(zero), ring, measured) == pytest.approx(0.030)
+        assert bucket_time_s(8 * MIB, point(zero), ring, measured) == pytest.approx(
+            ring.time_s(8 * MIB, 4))
+    assert bucket_time_s(64 * MIB, point(2), ring, measured) == pytest.approx(
+        ring.time_s(64 * MIB, 4, "reduce_scatter"))
+    assert bucket_time_s(64 * MIB, point(0), ring, {}) == pytest.approx(ring.time_s(64 * MIB, 4))
 
 
 def test_bucket_rules_match_the_syncs():
     """DDP closes a bucket once it reaches the cap (the first at 1 MiB); ours starts a new one
     before a parameter would take it past the cap (0: one per parameter)."""
     numels = [10, 40_000, 4_000_000, 16_000_000, 1_000]  # backward order, 4-byte elements
-    assert net.bucket_layout(numels, 4, 25, "ddp", 1.0) == [4 * (10 + 40_000 + 4_000_000),
-                                                            4 * 16_000_000, 4 * 1_000]
-    assert net.bucket_layout(numels, 4, 100, "ddp", 1.0) == [4 * (10 + 40_000 + 4_000_000),
-                                                             4 * (16_000_000 + 1_000)]
-    assert net.bucket_layout(numels, 4, 25, "ours") == [4 * (10 + 40_000 + 4_000_000),
-                                                        4 * 16_000_000, 4 * 1_000]
-    assert net.bucket_layout(numels, 4, 0, "ours") == [4 * n for n in numels]
-    assert net.bucket_layout(numels, 4, 0, "ddp") == [4 * sum(numels)]
+    assert step.bucket_layout(numels, 4, 25, "ddp", 1.0) == [4 * (10 + 40_000 + 4_000_000),
+                                                             4 * 16_000_000, 4 * 1_000]
+    assert step.bucket_layout(numels, 4, 100, "ddp", 1.0) == [4 * (10 + 40_000 + 4_000_000),
+                                                              4 * (16_000_000 + 1_000)]
+    assert step.bucket_layout(numels, 4, 25, "ours") == [4 * (10 + 40_000 + 4_000_000),
+                                                         4 * 16_000_000, 4 * 1_000]
+    assert step.bucket_layout(numels, 4, 0, "ours") == [4 * n for n in numels]
+    assert step.bucket_layout(numels, 4, 0, "ddp") == [4 * sum(numels)]
     grads = list(zip(numels, [0.0, 0.1, 0.3, 0.2, 1.0]))  # measured readiness may cross
-    assert [b.ready for b in net.buckets_of(grads, 4, 25, "ours")] == [0.3, 0.2, 1.0]
+    assert [b.ready for b in step.buckets_of(grads, 4, 25, "ours")] == [0.3, 0.2, 1.0]
 
 
 def _row(point, n, measured, predicted, **extra):
-    from ddp_lab.scale.predict import PHASES
+    from ddp_lab.perf.predict import PHASES
 
     row = {"point": point, "status": "ok", "world_size": n, "sync": "ring", "setting": "",
            "mode": "weak", "device": "cpu", "img_per_s": 10.0 * n, "model": "alexnet_cifar",
@@ -185,8 +187,8 @@ def _row(point, n, measured, predicted, **extra):
 def test_report_and_csv_have_the_phase_by_phase_table(tmp_path):
     """report.md: measured / predicted (error) per phase and point, and the phase a miss comes
     from in words; scaling.csv: each phase's measured and predicted column."""
-    from ddp_lab.scale import outputs
-    from ddp_lab.scale.predict import PHASES
+    from ddp_lab.perf.predict import PHASES
+    from ddp_lab.scale import outputs, report
 
     one = _row("n1-ring", 1, {"backward": 100.0}, {"backward": 100.0})
     two = _row("n2-ring", 2, {"backward": 100.0, "exposed_comm": 150.0},
@@ -198,7 +200,7 @@ def test_report_and_csv_have_the_phase_by_phase_table(tmp_path):
     man = {"provenance": {"gpus": [], "cpu_count": 2, "torch": "x", "cuda": None, "nccl": None,
                           "git_commit": "abc", "loadavg_1_5_15min": [1.0, 2.0, 3.0]},
            "profile": "cpu", "point_overrides": []}
-    text = open(outputs.report([one, two], {}, man, str(tmp_path))).read()
+    text = open(report.report([one, two], {}, man, str(tmp_path))).read()
     assert "## Model vs measurement, phase by phase" in text and "1.00 / 2.00 / 3.00" in text
     section = text.split("## Model vs measurement, phase by phase")[1]
     line = next(x for x in section.splitlines() if x.startswith("| n2-ring | "))

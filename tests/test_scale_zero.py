@@ -6,32 +6,32 @@ import types
 
 import pytest
 
-from ddp_lab.comm.cost import cost
 from ddp_lab.config import ConfigError
-from ddp_lab.cost import network as net
+from ddp_lab.perf import compute, fit, params, step
+from ddp_lab.perf.collectives import cost
 
 MIB = 1 << 20
-FLAT = net.Network("flat", intra=net.Link.of(50.0, 2.0), gpus_per_node=8)
+FLAT = params.Network("flat", intra=params.Link.of(50.0, 2.0), gpus_per_node=8)
 
 
 def _fit(algo="ring", alpha=100e-6, beta=1e-9):
-    return net.Fit(algo, "gloo", (net.Regime(0.0, alpha, beta),), 1.0, 0.0, 10, (2, 4))
+    return fit.Fit(algo, "gloo", (fit.Regime(0.0, alpha, beta),), 1.0, 0.0, 10, (2, 4))
 
 
 @pytest.mark.parametrize("algo", ["ring", "naive", "tree"])
 @pytest.mark.parametrize("n", [2, 3, 4, 7])
 def test_a_fit_prices_each_op_by_its_own_rounds_and_bytes(algo, n):
-    fit = _fit(algo)
+    f = _fit(algo)
     for op in ("reduce_scatter", "all_gather"):
-        assert fit.time_s(8 * MIB, n, op) == pytest.approx(
+        assert f.time_s(8 * MIB, n, op) == pytest.approx(
             cost(algo, 8 * MIB, n, op).time(100e-6, 1e-9), rel=1e-12)
     if algo == "ring":  # a ring all-reduce is one reduce-scatter and one all-gather
-        halves = fit.time_s(8 * MIB, n, "reduce_scatter") + fit.time_s(8 * MIB, n, "all_gather")
-        assert halves == pytest.approx(fit.time_s(8 * MIB, n), rel=1e-12)
+        halves = f.time_s(8 * MIB, n, "reduce_scatter") + f.time_s(8 * MIB, n, "all_gather")
+        assert halves == pytest.approx(f.time_s(8 * MIB, n), rel=1e-12)
 
 
 def test_given_networks_halve_the_ring_family_only():
-    ib = net.PRESETS["ib400"]
+    ib = params.PRESETS["ib400"]
     for algo in ("ring", "hring"):
         assert ib.collective_s("all_gather", algo, 64 * MIB, 16) == pytest.approx(
             ib.allreduce_s(algo, 64 * MIB, 16) / 2)
@@ -45,14 +45,14 @@ def test_stage_bytes_and_busy_time_on_a_ring(n):
     """Stage 2 moves what stage 0 does (reduce-scatter + all-gather = all-reduce), stage 1 half
     as much again; every stage's step is compute + exposed + the exposed all-gather."""
     g = 100 * MIB
-    b0, b1, b2 = (net.bytes_per_step("ring", g, n, z) for z in (0, 1, 2))
+    b0, b1, b2 = (step.bytes_per_step("ring", g, n, z) for z in (0, 1, 2))
     assert b2 == pytest.approx(b0) and b1 == pytest.approx(1.5 * b0)
-    assert net.bytes_per_step("naive", g, n, 2, param_bytes=2 * g) == pytest.approx(
+    assert step.bytes_per_step("naive", g, n, 2, param_bytes=2 * g) == pytest.approx(
         cost("naive", g, n, "reduce_scatter").bytes_per_rank
         + cost("naive", 2 * g, n, "all_gather").bytes_per_rank)
-    profile = net.profile_model("alexnet_cifar")
+    profile = compute.profile_model("alexnet_cifar")
     kw = dict(forward_s=0.03, backward_s=0.06, other_s=0.01, bucket_mb=25.0)
-    s0, s1, s2 = (net.predict_step(profile, FLAT, "ring", n, **kw, zero=z) for z in (0, 1, 2))
+    s0, s1, s2 = (step.predict_step(profile, FLAT, "ring", n, **kw, zero=z) for z in (0, 1, 2))
     assert s0.gather_s == 0 and s1.gather_s > 0 and s1.gather_s == pytest.approx(s2.gather_s)
     assert s2.busy_s == pytest.approx(s0.busy_s, rel=1e-9)
     assert s1.busy_s == pytest.approx(s0.busy_s + s1.gather_s, rel=1e-9)
@@ -68,7 +68,7 @@ def _point(zero, n=2):
 
 
 def test_a_zero_point_updates_one_shard_then_gathers():
-    from ddp_lab.scale import predict
+    from ddp_lab.perf import predict
 
     base = {"data_ms": 1.0, "forward_ms": 30.0, "backward_ms": 60.0, "sync_ms": 5.0,
             "guard_ms": 2.0, "optim_ms": 24.0, "other_ms": 1.0, "per_rank_batch": 8}
@@ -95,15 +95,17 @@ def _sim(**kw):
 
 
 def test_the_simulation_says_which_stage_fits_and_what_it_costs(tmp_path):
-    from ddp_lab.scale import simulate_zero
+    from ddp_lab.perf import simulate
+    from ddp_lab.scale.config import check_sim
+    from ddp_lab.scale.sim_report import zero_memory_rows
 
     sim = _sim(world_sizes=[8, 64], zero_params_b=[7.0, 70.0])
-    rows = {r["params"]: r for r in simulate_zero.memory_rows(FLAT, "ring", sim)}
+    rows = {r["params"]: r for r in zero_memory_rows(FLAT, "ring", sim)}
     # 7 B: 112 GB unsharded; stage 1 keeps 4 B/param whole (28 GB) and shards 12 B/param
     assert rows["7 B"]["zero=0"] == "never" and rows["7 B"]["zero=1"].startswith("2; at 8: ")
     assert rows["70 B"]["zero=2"] == "never" and rows["70 B"]["zero=3"].startswith("14; at 16: ")
-    steps = simulate_zero.step_rows(FLAT, "ring", {"alexnet_cifar": 0.02}, sim,
-                                    net.NO_INTERFERENCE)
+    steps = simulate.zero_step_rows(FLAT, "ring", {"alexnet_cifar": 0.02}, sim,
+                                    params.NO_INTERFERENCE)
     assert len(steps) == 3 * 2
     eff = {(r["zero"], r["world_size"]): r["efficiency"] for r in steps}
     for n in (8, 64):
@@ -111,6 +113,6 @@ def test_the_simulation_says_which_stage_fits_and_what_it_costs(tmp_path):
     state = {(r["zero"], r["world_size"]): r["state_GB_per_gpu"] for r in steps}
     assert state[(2, 64)] < state[(1, 64)] < state[(0, 64)] == state[(0, 8)]
     with pytest.raises(ConfigError, match="sim.zero_stages"):
-        simulate_zero.check(_sim(zero_stages=[0, 3]))
+        check_sim(_sim(zero_stages=[0, 3]))
     with pytest.raises(ConfigError, match="sim.gpu_gb"):
-        simulate_zero.check(_sim(gpu_gb=0))
+        check_sim(_sim(gpu_gb=0))

@@ -4,14 +4,14 @@ with events (no host clock around asynchronous work)."""
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import statistics
 import time
 from typing import Callable, Sequence
 
 import torch
+
+from ddp_lab.tables import format_table, write_rows
 
 
 def time_fn(fn: Callable[[], object], device: torch.device | str, warmup: int = 3,
@@ -122,33 +122,6 @@ def write_info(out_dir: str, name: str, cfg, device, **extra) -> str:
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True) if cfg is not None else {}
     return provenance.write(os.path.join(out_dir, f"{name}_info.json"), cfg_dict, device, **extra)
-
-
-def format_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
-    """A plain fixed-width table; floats to 4 significant digits."""
-    if not rows:
-        return "(no rows)"
-    columns = list(columns or rows[0].keys())
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))
-    return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
-
-
-def write_rows(rows: Sequence[dict], out_dir: str, name: str) -> tuple[str, str]:
-    """rows -> out_dir/name.jsonl and out_dir/name.csv; returns both paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    jsonl, csv_path = os.path.join(out_dir, f"{name}.jsonl"), os.path.join(out_dir, f"{name}.csv")
-    with open(jsonl, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    return jsonl, csv_path
 
 
 def series_of(rows: Sequence[dict], name: str, x: str, y: str) -> dict[str, tuple[list, list]]:

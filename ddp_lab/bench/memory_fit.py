@@ -11,7 +11,7 @@ table for GPT-3 175B and LLaMA-2 70B, reproduced and corrected. Pure arithmetic 
     python -m ddp_lab.bench.memory_fit models=[llama2_70b] gpu_gb=80 zero_stages=[1,2,3]
     python -m ddp_lab.bench.memory_fit measure_zero=[0,1,2] measure_precisions=[bf16]  # on a GPU
 
-Schemes (bytes per parameter, Adam; see ddp_lab.cost.memory):
+Schemes (bytes per parameter, Adam; see ddp_lab.perf.memory):
   fp32_train   4 weights + 4 grads + 8 Adam                         = 16
   mixed_train  2 fp16/bf16 weights + 2 grads + 4 fp32 master + 8 Adam = 16  (the "usual 16")
   amp_train    torch.autocast as ddp_lab does it: fp32 weights/grads/Adam = 16, + 2 transient
@@ -40,7 +40,8 @@ from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.common import plot_lines, report, resolve_device, series_of, write_info
 from ddp_lab.config import ConfigError
-from ddp_lab.cost import memory as mem
+from ddp_lab.held_memory import MEMORY_KEYS
+from ddp_lab.perf import memory as mem
 
 GB = mem.GB
 
@@ -76,7 +77,7 @@ class MemoryFitConfig:
     measure_zero: list[int] = field(default_factory=list)
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # [] leaves the table out
     zero_gpus: list[int] = field(default_factory=lambda: [8, 64, 1024])  # N for the per-GPU GB
-    zero_scheme: str = "mixed"  # fp32 | mixed | torch_amp | bf16 (ddp_lab.cost.memory.SCHEMES)
+    zero_scheme: str = "mixed"  # fp32 | mixed | torch_amp | bf16 (ddp_lab.perf.memory.SCHEMES)
     plot: bool = False
 
 
@@ -162,7 +163,7 @@ def seed_rows(cfg) -> tuple[list[dict], list[str]]:
 
 def _image_shape(cfg) -> tuple[int, int]:
     """(image size, classes) of cfg.measure_model, after checking the measure_* keys."""
-    from ddp_lab.cost.network import MODEL_DEFAULTS
+    from ddp_lab.perf.compute import MODEL_DEFAULTS
     from ddp_lab.models import MODELS
 
     if cfg.measure_model not in MODELS:
@@ -177,7 +178,7 @@ def _image_shape(cfg) -> tuple[int, int]:
 
 
 def measure_rows(cfg) -> list[dict]:
-    """Predicted (ddp_lab.cost.memory) vs measured peak memory of the bare training loop."""
+    """Predicted (ddp_lab.perf.memory) vs measured peak memory of the bare training loop."""
     from ddp_lab.bench.bare import bare_loop
     from ddp_lab.bench.train_throughput import row_overrides
     from ddp_lab.cli import compose
@@ -241,7 +242,7 @@ def zero_train_config(cfg, stage: int, precision: str, device: torch.device):
 def predicted_peak_parts(cfg, stage: int, precision: str, summary: dict) -> dict[str, float]:
     """The predicted peak of a measure_zero run, part by part (bytes): what its rank holds
     (summary.json's `memory.predicted`), the model's .grad beside the shards' at zero>=1, and a
-    step's activations, input batch and autocast copies (ddp_lab.cost.memory)."""
+    step's activations, input batch and autocast copies (ddp_lab.perf.memory)."""
     from ddp_lab.models import MODELS
 
     predicted = summary["memory"]["predicted"]
@@ -255,7 +256,7 @@ def predicted_peak_parts(cfg, stage: int, precision: str, summary: dict) -> dict
 
 def _zero_row(cfg, stage: int, precision: str, summary: dict) -> dict:
     held = summary["memory"]
-    counted = {k: v[0] for k, v in held.items() if k in mem.MEMORY_KEYS}
+    counted = {k: v[0] for k, v in held.items() if k in MEMORY_KEYS}
     pred_held = sum(held["predicted"].values())
     pred_peak = sum(predicted_peak_parts(cfg, stage, precision, summary).values())
     measured = summary.get("max_memory_allocated_GiB", float("nan")) * 2**30
@@ -337,7 +338,7 @@ def run(cfg, run_dir: str) -> list[dict]:
                      "sync=ring, AdamW; held (counted) and peak (predicted vs measured), GB",
                notes=["held: counted from tensor storages at the first optimizer step; "
                       "pred_peak = the held bytes predicted + the model's .grad at zero>=1 + "
-                      "activations, input and autocast copies (ddp_lab.cost.memory)",
+                      "activations, input and autocast copies (ddp_lab.perf.memory)",
                       "measured = torch.cuda.max_memory_allocated over the run (nan on the CPU)"])
     if cfg.plot:
         series = series_of(rows, "scheme", "params_b", "total_gb")

@@ -28,9 +28,9 @@ by far more, even pinned to an idle core: pin it (`scripts/loop_overhead.sh`), u
 read `ratio_paired` / `ratio_med_paired`.
 
 MFU = achieved / peak, achieved = FLOPs per image per training step (counted by
-`ddp_lab.cost.compute`) x img/s; `mfu_sheet` against the datasheet peak of the precision,
+`ddp_lab.perf.compute`) x img/s; `mfu_sheet` against the datasheet peak of the precision,
 `mfu_gemm` against the best GEMM measured by `ddp_lab.bench.gemm` (`gemm_results=.../gemm.jsonl`).
-`pred_mem_gb` is `ddp_lab.cost.memory`'s predicted peak of a step, `peak_mem_gb` what the bare
+`pred_mem_gb` is `ddp_lab.perf.memory`'s predicted peak of a step, `peak_mem_gb` what the bare
 loop's steps reached (`torch.cuda.max_memory_allocated`, CUDA only).
 
 Profile (`profile=true`): a torch.profiler pass of the bare loop per precision (eager, first
@@ -158,7 +158,7 @@ class Bench:
 
 
 def check_config(cfg, model: str, precisions, batches, steps: int, warmup: int) -> None:
-    from ddp_lab.cost import memory as mem
+    from ddp_lab.perf import memory as mem
     from ddp_lab.models import MODELS
 
     if model not in MODELS:
@@ -172,7 +172,7 @@ def check_config(cfg, model: str, precisions, batches, steps: int, warmup: int) 
 
 def build_bench(cfg) -> Bench:
     """The run's settings (the cpu_* ones on a CPU), checked, with what every row needs."""
-    from ddp_lab.cost import compute
+    from ddp_lab.perf import compute
     from ddp_lab.models import MODELS
 
     device = resolve_device(cfg.device)
@@ -223,7 +223,7 @@ def run_pair(cfg, b: Bench, tcfg, name: str, run_dir: str) -> tuple[list[dict], 
 
 
 def predicted_memory_gb(b: Bench, precision: str, cl: bool, batch: int) -> float:
-    from ddp_lab.cost import memory as mem
+    from ddp_lab.perf import memory as mem
 
     if (precision, cl) not in b.activations:  # the activation measurement is a CPU forward
         b.activations[(precision, cl)] = mem.activation_bytes(b.net, (3, b.size, b.size),
@@ -235,7 +235,7 @@ def predicted_memory_gb(b: Bench, precision: str, cl: bool, batch: int) -> float
 
 def make_row(b: Bench, combo: tuple, stem: str, bares: list[dict], ddps: list[dict]) -> dict:
     """One table row from both loops' repeats: img/s, ratios, TFLOP/s, MFU, memory, checks."""
-    from ddp_lab.cost import compute
+    from ddp_lab.perf import compute
 
     precision, cl, comp, graph, batch = combo
     med = lambda xs, k: statistics.median(x[k] for x in xs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddp_lab.comm.cost import Cost, bus_bandwidth, cost
+from ddp_lab.perf.collectives import Cost, bus_bandwidth, cost
 from ddp_lab.comm import naive, ring, tree
 from ddp_lab.comm.p2p import Channel, CommError, Recorder, recording
 # Imported, so registered, after ours: listings (ALGOS, error messages) show the reference last.

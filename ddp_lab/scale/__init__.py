@@ -8,9 +8,12 @@ model of what is lost, and a simulation past the hardware.
     python -m ddp_lab.scale emit=slurm nodes=[2,4,8]           # multi-node command lines
     python -m ddp_lab.scale simulate=only                      # the simulation alone
 
-Modules: sweep (plan, launch, rows), outputs (csv, TensorBoard, plot, report, manifest),
-simulate (tables past the hardware), calibrate (all-reduce timings for the fit), app (Hydra).
-The model itself lives in ddp_lab.cost.network.
+Modules, in the order a sweep uses them: config (conf/scale.yaml's schema), sweep (the points),
+launch (each a torchrun job), calibrate (all-reduce timings for the fit), interfere (the
+interference probe), results (rows from summaries, passes), outputs (csv, TensorBoard, plot,
+manifest), report (report.md, console tables), sim_report + sim_plot (the simulation's tables and
+plot), app (the Hydra app tying them together). The model itself, inputs to simulation, is
+ddp_lab/perf/: this package measures and writes, it holds none of the model.
 """
 
 

@@ -10,9 +10,12 @@ import time
 from omegaconf import OmegaConf
 
 from ddp_lab.config import ConfigError
-from ddp_lab.cost import network as net
-from ddp_lab.scale import outputs, predict, simulate, simulate_zero, sweep
-from ddp_lab.scale.config import register_scale_config
+from ddp_lab.perf.fit import fit_alpha_beta, read_table
+from ddp_lab.perf.predict import predict_rows
+from ddp_lab.perf.probe import load_probes
+from ddp_lab.scale import launch, outputs, report, results, sim_report, sweep
+from ddp_lab.scale.config import check_sim, register_scale_config
+from ddp_lab.tables import write_rows
 
 # Training overrides taken off the command line by main() before Hydra parses it (the scale
 # app's own schema has no model/train/... nodes: composing the training groups here would fix
@@ -38,9 +41,9 @@ class Say:
 def _fits(cfg, points, sweep_dir, profile, env, say) -> dict:
     """alpha-beta fits: from predict.table, or calibrated here at each world size > 1."""
     if cfg.predict.table:
-        rows = net.read_table(cfg.predict.table)
+        rows = read_table(cfg.predict.table)
         say(f"alpha-beta fit from {cfg.predict.table} ({len(rows)} rows)")
-        return net.fit_alpha_beta(rows, cfg.predict.max_regimes)
+        return fit_alpha_beta(rows, cfg.predict.max_regimes)
     sizes = sorted({p.world_size for p in points if p.status == "ok" and p.world_size > 1})
     if not cfg.predict.calibrate or not sizes:
         return {}
@@ -54,12 +57,11 @@ def _fits(cfg, points, sweep_dir, profile, env, say) -> dict:
                f"--nproc_per_node={n}", "-m", "ddp_lab.scale.calibrate", out,
                "--algos", ",".join(algos), "--sizes", ",".join(str(k * 1024) for k in kb)]
         if _launch(cmd, env, out, cfg.predict.timeout_s, f"calibration at N={n}", say):
-            rows += net.read_table(out)
+            rows += read_table(out)
             say(f"calibrated all-reduce ({', '.join(algos)}) at N={n}: {len(kb)} sizes")
     if rows:
-        from ddp_lab.bench.common import write_rows
         write_rows(rows, sweep_dir, "allreduce")
-    return net.fit_alpha_beta(rows, cfg.predict.max_regimes)
+    return fit_alpha_beta(rows, cfg.predict.max_regimes)
 
 
 def _launch(cmd: list[str], env: dict, out: str, timeout_s: float, what: str, say) -> bool:
@@ -67,13 +69,13 @@ def _launch(cmd: list[str], env: dict, out: str, timeout_s: float, what: str, sa
     os.makedirs(os.path.dirname(out), exist_ok=True)
     log_path = os.path.splitext(out)[0] + ".log"
     t0 = time.perf_counter()
-    returncode, timed_out = sweep.run_logged(cmd, env, log_path, timeout_s)
+    returncode, timed_out = launch.run_logged(cmd, env, log_path, timeout_s)
     if timed_out:
         say(f"{what} timed out ({log_path})")
         return False
     if returncode != 0 or not os.path.exists(out):
         say(f"{what} failed (exit {returncode}): "
-            f"{sweep.tail(log_path).strip().splitlines()[-1:]} ({log_path})")
+            f"{launch.tail(log_path).strip().splitlines()[-1:]} ({log_path})")
         return False
     say(f"{what}: {time.perf_counter() - t0:.0f} s")
     return True
@@ -131,7 +133,7 @@ def measured_compute(points: list[sweep.Point], batch_per_gpu: int) -> dict[str,
     out = {}
     for p in points:
         if p.status == "ok" and p.world_size == 1 and str(p.summary.get("device", "")).startswith("cuda"):
-            ph = sweep.phases(p.summary)
+            ph = results.phases(p.summary)
             out.setdefault(p.summary["model"],
                            (ph["forward_ms"] + ph["backward_ms"]) * 1e-3 * batch_per_gpu
                            / p.per_rank_batch)
@@ -146,7 +148,7 @@ def _simulate_mode(cfg) -> str:
     if cfg.emit not in ("none", "torchrun", "slurm"):
         raise ConfigError(f"emit={cfg.emit!r} is not one of none, torchrun, slurm")
     if mode != "false":
-        simulate_zero.check(cfg.sim)
+        check_sim(cfg.sim)
     return mode
 
 
@@ -164,7 +166,7 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
     if cfg.emit != "none":
         emit(cfg, points, say)
         return None
-    env = sweep.point_env(cfg, profile, max(p.world_size for p in points))
+    env = launch.point_env(cfg, profile, max(p.world_size for p in points))
     timeout = cfg.point_timeout_s or (300.0 if profile == "cpu" else 600.0)
     threads = int(env.get("OMP_NUM_THREADS", 0) or 0) * max(p.world_size for p in points)
     if profile == "cpu" and threads > (os.cpu_count() or 1):
@@ -182,7 +184,7 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
             where = f"[{i}/{len(points)}{f' #{r + 1}' * (repeats > 1)}] {q.name}"
             if q.status == "planned":
                 say(f"{where}: running (timeout {timeout:.0f} s)")
-                sweep.launch(q, env, timeout, cfg.keep_checkpoints)
+                launch.launch(q, env, timeout, cfg.keep_checkpoints)
             say(f"{where}: {_result(q)}")
             probes.setdefault(q.name, []).append(_probe(cfg, q, run_dir, env, say, r))
     return passes, profile, env, probes
@@ -204,13 +206,13 @@ def auto_repeats(say) -> int:
 def say_tables(rows: list[dict], fits: dict, say) -> None:
     """The measured table, the alpha-beta fits and the model against measurement, on the console."""
     ok = [r for r in rows if r["status"] == "ok"]
-    say("\n" + outputs.console_table(rows, outputs.CONSOLE_COLUMNS))
+    say("\n" + report.console_table(rows, report.CONSOLE_COLUMNS))
     if fits:
-        say("\nalpha-beta fits:\n" + outputs.console_table(
-            [f.as_row() for f in fits.values()], outputs.FIT_COLUMNS))
+        say("\nalpha-beta fits:\n" + report.console_table(
+            [f.as_row() for f in fits.values()], report.FIT_COLUMNS))
     if any(r["pred_efficiency"] == r["pred_efficiency"] for r in ok):
         say("\nmodel vs measured (ms: measured/predicted):\n"
-            + outputs.console_table(outputs.phase_rows(ok), outputs.phase_columns()))
+            + report.console_table(report.phase_rows(ok), report.phase_columns()))
 
 
 def tabulate(cfg, passes: list, profile: str, env: dict, run_dir: str, say,
@@ -218,7 +220,7 @@ def tabulate(cfg, passes: list, profile: str, env: dict, run_dir: str, say,
     """Rows, fits and predictions of the points, written (manifest, CSV, TensorBoard, plot) and
     printed; returns (rows, fits, manifest, csv path). Each pass is tabulated and predicted on
     its own (each point against its N=1 point and with its probe of the same pass, minutes
-    apart at most), then every column is the median over the passes (sweep.merge_rows)."""
+    apart at most), then every column is the median over the passes (results.merge_passes)."""
     man = outputs.write_manifest(os.path.join(run_dir, "manifest.json"),
                                  OmegaConf.to_container(cfg, resolve=True), PASSTHROUGH, profile,
                                  env)
@@ -227,11 +229,11 @@ def tabulate(cfg, passes: list, profile: str, env: dict, run_dir: str, say,
         fits = _fits(cfg, passes[0], run_dir, profile, env, say)
     per_pass = []
     for r, points in enumerate(passes):
-        rows = sweep.rows_from_points(points)
-        probes = predict.load_probes({name: fs[r:r + 1] for name, fs in (probe_files or {}).items()})
-        predict.predict_rows(rows, points, fits, probes, sweep.bases(points))
+        rows = results.rows_from_points(points)
+        probes = load_probes({name: fs[r:r + 1] for name, fs in (probe_files or {}).items()})
+        predict_rows(rows, points, fits, probes, results.bases(points))
         per_pass.append(rows)
-    rows = predict.merge_passes(per_pass)
+    rows = results.merge_passes(per_pass)
     csv_path = outputs.write_csv(rows, run_dir)
     outputs.write_tensorboard(rows, run_dir)
     outputs.plot(rows, os.path.join(run_dir, "scaling.png"),
@@ -256,10 +258,10 @@ def task(cfg, run_dir: str) -> None:
     sim_md = ""
     if mode in ("true", "only"):
         say("\nsimulation:")
-        sim_md = simulate.run(cfg.sim, run_dir, fits, measured_compute(points, cfg.sim.batch_per_gpu),
-                              say)
+        sim_md = sim_report.run(cfg.sim, run_dir, fits,
+                                measured_compute(points, cfg.sim.batch_per_gpu), say)
     if mode != "only":
-        outputs.report(rows, fits, man, run_dir, sim_md)
+        report.report(rows, fits, man, run_dir, sim_md)
         say(f"\nwrote {csv_path}, scaling.png, report.md, manifest.json, tensorboard/ in {run_dir}")
     else:
         say(f"\nwrote simulation.csv, simulation.png, simulation.md in {run_dir}")
@@ -270,7 +272,7 @@ def _result(p: sweep.Point) -> str:
         first = p.error.strip().splitlines()[:2]
         return f"{p.status.upper()}: " + " / ".join(first)
     s = p.summary
-    ph = sweep.phases(s)
+    ph = results.phases(s)
     return (f"ok, {s['train_img_per_s']:.1f} img/s ({s['train_img_per_s'] / p.world_size:.1f} per "
             f"rank, {s.get('backend')}), step {ph['step_ms']:.1f} ms = forward "
             f"{ph['forward_ms']:.1f} + backward {ph['backward_ms']:.1f} + sync and comm "

@@ -4,7 +4,7 @@
         [--algos native,ring] [--sizes 4096,65536,...]
 
 Rows have the benchmark's keys (algo, backend, world_size, dtype, bytes, time_us, algbw_GBps,
-busbw_GBps, wrong), so `ddp_lab.cost.network.fit_alpha_beta` reads either, plus `samples_us`.
+busbw_GBps, wrong), so `ddp_lab.perf.fit.fit_alpha_beta` reads either, plus `samples_us`.
 Each time is the median over passes (each pass goes through every size in turn) of the slowest
 rank's (MAX over ranks) median over a pass's iterations, after warm-up; `wrong` counts the
 elements of a reduction of ones that differ from N.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ddp_lab.dist import destroy_group, init_group
 from ddp_lab.bench.common import time_fn
-from ddp_lab.comm.cost import bus_bandwidth
+from ddp_lab.perf.collectives import bus_bandwidth
 
 
 def reducer(algo: str):

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from ddp_lab.buckets import DEFAULT_BUCKET_MB
+from ddp_lab.errors import ConfigError
+from ddp_lab.perf.step import ZERO_OPS
 
 
 @dataclass
@@ -47,12 +49,22 @@ class SimConfig:
     interference: dict[str, float] = field(default_factory=lambda: {"compute": 1.05,
                                                                     "comm": 1.1})
     interference_band: list[float] = field(default_factory=lambda: [1.0, 1.3])
-    # ZeRO (ddp_lab/scale/simulate_zero.py): the stages compared, the model sizes (billions of
+    # ZeRO (ddp_lab/perf/simulate.py): the stages compared, the model sizes (billions of
     # parameters: AlexNet, GPT-2 XL, 7B, 13B, 70B, GPT-3) and the GPU memory they must fit.
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2])
     zero_params_b: list[float] = field(default_factory=lambda: [0.061, 1.5, 7.0, 13.0, 70.0,
                                                                 175.0])
     gpu_gb: float = 80.0
+
+
+def check_sim(sim) -> None:
+    """sim's ZeRO keys, before any work."""
+    bad = [s for s in sim.zero_stages if s not in ZERO_OPS]
+    if bad:
+        raise ConfigError(f"sim.zero_stages: {bad} not among the simulated stages "
+                          f"{sorted(ZERO_OPS)}")
+    if float(sim.gpu_gb) <= 0 or any(float(b) <= 0 for b in sim.zero_params_b):
+        raise ConfigError("sim.gpu_gb and every sim.zero_params_b must be > 0")
 
 
 @dataclass

@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -47,12 +46,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ddp_lab.cost import network as net
-from ddp_lab.step import TrainStep, build_parts
 from ddp_lab.dtypes import element_size
+from ddp_lab.perf.probe import derive
+from ddp_lab.perf.step import bucket_layout
+from ddp_lab.step import TrainStep, build_parts
 from ddp_lab.sync.bucketed import comm_thread_init
-
-PHASES = ("forward", "backward", "guard", "optim")
 
 
 def point_config(overrides: list[str]):
@@ -177,12 +175,12 @@ class BucketComm:
 
 
 def bucket_sizes(model: torch.nn.Module, algo: str, scfg) -> list[int]:
-    """Bytes of each bucket the sync makes of `model`'s gradients (ddp_lab.cost.network's rules)."""
+    """Bytes of each bucket the sync makes of `model`'s gradients (ddp_lab.perf.step's rules)."""
     elem = element_size(scfg.comm_dtype)
     numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]
     ddp = algo == "native"
-    return net.bucket_layout(numels, elem, scfg.bucket_mb, "ddp" if ddp else "ours",
-                             1.0 if ddp else None)
+    return bucket_layout(numels, elem, scfg.bucket_mb, "ddp" if ddp else "ours",
+                         1.0 if ddp else None)
 
 
 def compute_under_comm(b: Bench, bc: BucketComm) -> dict[str, float]:
@@ -254,53 +252,6 @@ def _store_round_trip(info) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _med(values) -> float:
-    values = [v for v in values if v == v]
-    return statistics.median(values) if values else float("nan")
-
-
-def derive(every: list[list[dict]], sizes: dict[str, list[int]], n_params: int) -> dict:
-    """Contention, skew, slowdowns and per-bucket times (see the module) from every rank's
-    rounds (`every[rank]`; rank 0's medians, as the loop reports its own); `sizes`: each
-    algorithm's bucket bytes. Rounds of several probes pool (ddp_lab.scale.predict.Probe)."""
-    rounds = every[0]
-    med = lambda cond, key: _med(r[cond].get(key, float("nan")) for r in rounds)
-    contention = {ph: med("all", ph) / med("solo", ph) for ph in PHASES}
-    step = lambda cond: _med(sum(r[cond][ph] for ph in PHASES) for r in rounds)
-    contention["step"] = step("all") / step("solo")
-    # Stragglers: a collective waits for the slowest rank. From the guard's all-reduce to the
-    # step's gradient all-reduces each rank runs optim, forward and backward on its own.
-    seg = lambda r: sum(r["all"][ph] for ph in ("optim", "forward", "backward"))
-    per_round = list(zip(*every))  # (rank 0's round i, rank 1's round i, ...)
-    skew = {"backward": _med(max(seg(r) for r in rs) / seg(rs[0]) - 1 for rs in per_round),
-            "guard": _med(max(r["all"]["guard"] for r in rs) / rs[0]["all"]["guard"] - 1
-                          for rs in per_round)}
-    out = {"solo_ms": {ph: med("solo", ph) for ph in PHASES},
-           "all_ms": {ph: med("all", ph) for ph in PHASES},
-           "contention": contention, "skew": skew, "store_ms": med("all", "store"),
-           "grad_ready": [_med(r["ready"][i] for r in rounds) for i in range(n_params)]}
-    for algo, bucket_bytes in sizes.items():
-        out[algo] = _derive_algo(rounds, algo, bucket_bytes, med("all", "backward"),
-                                 med("all", "forward"))
-    return out
-
-
-def _derive_algo(rounds: list[dict], algo: str, bucket_bytes: list[int], backward_ms: float,
-                 forward_ms: float) -> dict:
-    alone = [sum(sum(x) for x in r[f"{algo}/comm"]) for r in rounds]
-    loaded = [sum(sum(x) for x in r[f"{algo}/comm+bwd"]) for r in rounds]
-    per_bucket = [[_med(r[f"{algo}/comm"][i][j] for r in rounds) for j in range(3)]
-                  for i in range(len(bucket_bytes))]
-    local = sum(p + u for p, _, u in per_bucket)
-    under = lambda ph: _med(r[f"{algo}/bwd+comm"][ph] for r in rounds)
-    return {"bucket_bytes": bucket_bytes, "comm_ms": _med(alone), "comm_loaded_ms": _med(loaded),
-            "bucket_ms": per_bucket,  # [pack, all-reduce, unpack] per bucket, alone
-            "local_s_per_byte": local * 1e-3 / max(1, sum(bucket_bytes)),
-            "compute_slowdown": under("backward") / backward_ms,
-            "forward_slowdown": under("forward") / forward_ms,
-            "comm_slowdown": _med(loaded) / _med(alone)}
-
-
 def main() -> None:
     from ddp_lab.dist import destroy_group, init_group
     from ddp_lab.sync.bucketed import comm_dtype
@@ -338,14 +289,14 @@ class Load:
     machine's busy time from /proc/stat less every rank's own CPU time, over the wall time."""
 
     def __init__(self, device):
-        from ddp_lab.scale.sweep import cpu_seconds
+        from ddp_lab.scale.launch import cpu_seconds
 
         self.device = device
         dist.barrier()
         self.busy, self.cpu, self.t = cpu_seconds()[0], time.process_time(), time.perf_counter()
 
     def others(self) -> float:
-        from ddp_lab.scale.sweep import cpu_seconds
+        from ddp_lab.scale.launch import cpu_seconds
 
         mine = torch.tensor([time.process_time() - self.cpu], dtype=torch.float64,
                             device=self.device)

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_lab.cost import memory as mem
 from ddp_lab.models import AlexNetCifar
+from ddp_lab.perf import memory as mem
 
 
 def test_fp32_sgd_momentum_is_12_bytes_per_param():

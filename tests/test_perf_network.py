@@ -1,14 +1,18 @@
-"""The network model on its own (no processes): the alpha-beta fit against known synthetic
-timings, the two-level ring's cost, buckets and overlap, model profiles, the simulation's shape."""
+"""The performance model on its own (no processes): the alpha-beta fit against known synthetic
+timings (perf/fit.py), the two-level ring's cost and the given networks (perf/collectives.py,
+perf/params.py), model profiles (perf/compute.py), buckets and overlap (perf/step.py), the
+simulation's shape (perf/simulate.py)."""
 
 import math
 import random
 
 import pytest
 
-from ddp_lab.bench.common import write_rows
-from ddp_lab.comm.cost import cost, hierarchical_cost
-from ddp_lab.cost import network as net
+from ddp_lab.perf import compute, fit, params, simulate, step
+from ddp_lab.perf.collectives import cost, hierarchical_cost
+from ddp_lab.tables import write_rows
+
+MIB = 1 << 20
 
 SIZES = [2 ** k for k in range(10, 29, 2)]  # 1 KiB ... 256 MiB
 
@@ -29,7 +33,7 @@ def synthetic_rows(algo, alpha, beta, world_sizes=(2, 4, 8), noise=0.0, backend=
 @pytest.mark.parametrize("noise", [0.0, 0.03])
 def test_fit_recovers_known_alpha_and_beta(algo, noise):
     alpha, beta = 25e-6, 1 / 10e9  # 25 us per round, 10 GB/s
-    fits = net.fit_alpha_beta(synthetic_rows(algo, alpha, beta, noise=noise, seed=1))
+    fits = fit.fit_alpha_beta(synthetic_rows(algo, alpha, beta, noise=noise, seed=1))
     f = fits[(algo, "gloo")]
     tol = 1e-6 if noise == 0 else 0.1
     assert f.alpha_s == pytest.approx(alpha, rel=tol)
@@ -42,7 +46,7 @@ def test_fit_is_non_negative_and_per_backend():
     # Pure bandwidth (alpha = 0) plus noise pulls an unconstrained alpha below zero.
     rows = synthetic_rows("ring", 0.0, 1 / 5e9, noise=0.05, seed=3)
     rows += synthetic_rows("ring", 10e-6, 1 / 100e9, backend="nccl")
-    fits = net.fit_alpha_beta(rows)
+    fits = fit.fit_alpha_beta(rows)
     assert set(fits) == {("ring", "gloo"), ("ring", "nccl")}
     assert fits[("ring", "gloo")].alpha_s >= 0 and fits[("ring", "gloo")].beta_s_per_byte > 0
     assert fits[("ring", "nccl")].bandwidth_GBps == pytest.approx(100, rel=1e-6)
@@ -54,8 +58,8 @@ def test_fit_skips_wrong_rows_and_world_size_one(tmp_path):
     lone = dict(rows[1], world_size=1, time_us=1e9)
     write_rows(rows + [bad, lone], tmp_path, "allreduce")
     for name in ("allreduce.jsonl", "allreduce.csv"):  # the benchmark's two formats read alike
-        table = net.read_table(str(tmp_path / name))
-        f = net.fit_alpha_beta(table)[("ring", "gloo")]
+        table = fit.read_table(str(tmp_path / name))
+        f = fit.fit_alpha_beta(table)[("ring", "gloo")]
         assert f.points == len(rows)
         assert f.alpha_s == pytest.approx(20e-6, rel=1e-6)
 
@@ -73,11 +77,11 @@ def test_two_level_ring_cost():
 
 
 def test_networks():
-    ib = net.PRESETS["ib100"]
-    s = 64 * net.MB
+    ib = params.PRESETS["ib100"]
+    s = 64 * MIB
     # Inside one node every algorithm is its single-level cost on NVLink.
     assert ib.allreduce_s("ring", s, 8) == pytest.approx(
-        cost("ring", s, 8).time(net.NVLINK.alpha_s, net.NVLINK.beta_s_per_byte))
+        cost("ring", s, 8).time(params.NVLINK.alpha_s, params.NVLINK.beta_s_per_byte))
     assert ib.allreduce_s("ring", s, 8) == ib.allreduce_s("hring", s, 8)
     # Across nodes: the two-level ring pays fewer slow latencies than the flat ring.
     assert ib.allreduce_s("hring", s, 1024) < ib.allreduce_s("ring", s, 1024)
@@ -92,17 +96,27 @@ def test_networks():
 
 
 def test_measured_network_uses_the_fits():
-    fits = net.fit_alpha_beta(synthetic_rows("native", 50e-6, 1 / 1e9))
-    m = net.measured_network(fits, "gloo")
+    fits = fit.fit_alpha_beta(synthetic_rows("native", 50e-6, 1 / 1e9))
+    m = params.measured_network(fits, "gloo")
     assert m.algos() == ["native"]
     assert m.allreduce_s("ring", 1e6, 4) == pytest.approx(cost("ring", 1e6, 4).time(50e-6, 1e-9))
-    assert net.measured_network(fits, "nccl") is None
+    assert params.measured_network(fits, "nccl") is None
+    assert m.source == "native: measured: alpha-beta fit of 30 gloo timings at N=2,4,8"
+
+
+def test_every_given_link_says_where_it_comes_from():
+    for name, network in params.PRESETS.items():
+        links = [link for link in (network.intra, network.inter) if link is not None]
+        assert links and all(link.source.startswith(("given: ", "reconstructed: "))
+                             for link in links), name
+    assert "NVLink ~370 GB/s" in params.PRESETS["ib400"].source
+    assert "inter: given: 400 Gb/s InfiniBand" in params.PRESETS["ib400"].source
 
 
 @pytest.mark.parametrize("name, params_m", [("alexnet", 61.10), ("alexnet_cifar", 23.27),
                                             ("resnet50", 25.56), ("vgg16", 138.36)])
 def test_model_profiles(name, params_m):
-    p = net.profile_model(name)
+    p = compute.profile_model(name)
     assert p.parameters / 1e6 == pytest.approx(params_m, abs=0.01)
     grads = p.gradients_in_backward_order()
     fracs = [f for _, f in grads]
@@ -115,37 +129,37 @@ def test_model_profiles(name, params_m):
 
 
 def test_buckets_and_overlap():
-    p = net.profile_model("alexnet")
-    buckets = net.make_buckets(p, 25, 4)
+    p = compute.profile_model("alexnet")
+    buckets = step.make_buckets(p, 25, 4)
     assert sum(b.nbytes for b in buckets) == 4 * p.parameters
     largest_param = max(n for layer in p.layers for n in layer.params) * 4
-    assert all(b.nbytes < 25 * net.MB + largest_param for b in buckets)
+    assert all(b.nbytes < 25 * MIB + largest_param for b in buckets)
     assert [b.ready for b in buckets] == sorted(b.ready for b in buckets)
-    assert len(net.make_buckets(p, 0, 4)) == 1
-    assert net.make_buckets(p, 25, 4, first_bucket_mb=1)[0].nbytes < 25 * net.MB
+    assert len(step.make_buckets(p, 0, 4)) == 1
+    assert step.make_buckets(p, 25, 4, first_bucket_mb=1)[0].nbytes < 25 * MIB
     t = lambda nbytes: nbytes / 1e9  # 1 GB/s, no latency
     busy = sum(t(b.nbytes) for b in buckets)
-    exposed_off, busy_off = net.exposed_comm_s(buckets, 0.1, t, overlap=False)
+    exposed_off, busy_off = step.exposed_comm_s(buckets, 0.1, t, overlap=False)
     assert exposed_off == pytest.approx(busy) and busy_off == pytest.approx(busy)
-    exposed_on, _ = net.exposed_comm_s(buckets, 0.1, t, overlap=True)
+    exposed_on, _ = step.exposed_comm_s(buckets, 0.1, t, overlap=True)
     assert 0 <= exposed_on < exposed_off
     # Only the last bucket is ready at the end: with a long backward only it stays exposed.
-    exposed_long, _ = net.exposed_comm_s(buckets, 100.0, t, overlap=True)
+    exposed_long, _ = step.exposed_comm_s(buckets, 100.0, t, overlap=True)
     assert exposed_long == pytest.approx(t(buckets[-1].nbytes))
 
 
 def test_bytes_per_step_matches_the_cost_model():
     g = 4 * 23_272_266
-    assert net.bytes_per_step("ddp", g, 2) == pytest.approx(g)  # 2(N-1)/N = 1 at N=2
-    assert net.bytes_per_step("ring", g, 4) == pytest.approx(1.5 * g)
-    assert net.bytes_per_step("naive", g, 4) == pytest.approx(3 * g)  # rank 0 sends to 3
-    assert net.bytes_per_step("tree", g, 4) == pytest.approx(2 * g)  # rank 0: 2 broadcast rounds
+    assert step.bytes_per_step("ddp", g, 2) == pytest.approx(g)  # 2(N-1)/N = 1 at N=2
+    assert step.bytes_per_step("ring", g, 4) == pytest.approx(1.5 * g)
+    assert step.bytes_per_step("naive", g, 4) == pytest.approx(3 * g)  # rank 0 sends to 3
+    assert step.bytes_per_step("tree", g, 4) == pytest.approx(2 * g)  # rank 0: 2 broadcast rounds
 
 
 def test_simulation_shows_what_the_issue_asks():
-    compute = {"alexnet": 256 / 12000, "resnet50": 256 / 3000}
-    rows = net.simulate(compute, [net.PRESETS["ib100"]], [8, 64, 512], ["fp32", "bf16"],
-                        [1.0, 25.0], batch_per_gpu=256)
+    times = {"alexnet": 256 / 12000, "resnet50": 256 / 3000}
+    rows = simulate.simulate(times, [params.PRESETS["ib100"]], [8, 64, 512], ["fp32", "bf16"],
+                             [1.0, 25.0], batch_per_gpu=256)
     get = lambda **kw: next(r for r in rows if all(r[k] == v for k, v in kw.items()))
     assert all(0 < r["efficiency"] <= 1 + 1e-9 for r in rows)
     common = dict(model="alexnet", grad_dtype="fp32", bucket_mb=25.0)
@@ -174,12 +188,11 @@ def test_simulation_band_brackets_the_assumed_interference():
     sim.interference_band[1] on both sides (the least), the assumption in between; where
     nothing overlaps (one bucket, after backward) the three agree."""
     from ddp_lab.scale.config import SimConfig
-    from ddp_lab.scale.simulate import simulate_with_band
 
     sim = SimConfig(world_sizes=[8, 64], grad_dtypes=["fp32"])
     times = {"alexnet": 256 / 12000}
-    rows = simulate_with_band(sim, times, [net.PRESETS["ib100"]], [25.0, 0.0],
-                              {"alexnet": "assumed"})
+    rows = simulate.simulate_with_band(sim, times, [params.PRESETS["ib100"]], [25.0, 0.0],
+                                       {"alexnet": "assumed"})
     assert rows and all(r["efficiency_lo"] <= r["efficiency"] <= r["efficiency_hi"] for r in rows)
     assert any(r["efficiency_hi"] - r["efficiency_lo"] > 0.01
                for r in rows if r["bucket_mb"] == 25.0)

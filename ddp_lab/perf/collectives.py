@@ -1,4 +1,13 @@
-"""Analytic cost of our collectives (all-reduce, and its halves), as data for the scaling model.
+"""The formulas: what one collective costs, per algorithm, in the alpha-beta model.
+
+    t = steps * alpha + critical_bytes * beta
+
+alpha is one message round's latency, beta the inverse bandwidth of the link the critical path
+crosses (for the ring, critical_bytes = 2(N-1)/N * S, so 1/beta is exactly nccl-tests' bus
+bandwidth). `cost` gives the exact rounds and bytes of our algorithms on one level of links;
+`hierarchical_cost` the two-level ring; `allreduce_on_links` prices every algorithm on a node
+structure of two links (inside a node, between nodes), as the simulation's given networks have.
+alpha and beta come from ddp_lab/perf/params.py (given) or ddp_lab/perf/fit.py (measured).
 
 For a message of S bytes on N ranks each algorithm is described by
   steps           message rounds on the critical path (each costs one latency alpha)
@@ -131,3 +140,41 @@ def hierarchical_cost(nbytes: float, gpus_per_node: int, nodes: int) -> tuple[Co
                   g * m * 2 * (m - 1) * s / (m * g))
              if m > 1 else Cost(0, 0.0, 0.0, 0.0))
     return intra, inter
+
+
+def allreduce_on_links(algo: str, nbytes: float, n: int, intra, inter,
+                       gpus_per_node: int) -> float:
+    """Seconds for one all-reduce of `nbytes` on `n` ranks, `gpus_per_node` to a node, with
+    `algo`: naive, ring (flat), hring (two-level ring), tree (binomial), native (= hring).
+    `intra` and `inter` are the links inside a node and between nodes (alpha_s and
+    beta_s_per_byte each; `inter` None: one node)."""
+    g = gpus_per_node
+    if algo == "native":
+        algo = "hring"
+    if n <= g or inter is None:  # one node: every algorithm on the intra-node links
+        base = "ring" if algo == "hring" else algo
+        return cost(base, nbytes, n).time(intra.alpha_s, intra.beta_s_per_byte)
+    if n % g:
+        raise ValueError(f"world size {n} is not a whole number of {g}-GPU nodes")
+    m, s, i, e = n // g, float(nbytes), intra, inter
+    if algo == "naive":
+        # Everyone sends S to rank 0 at once and gets S back: 2 rounds over the network, rank
+        # 0's node link carries (N-G)*S each way while its NVLink carries (G-1)*S.
+        return 2 * e.alpha_s + 2 * max((n - g) * s * e.beta_s_per_byte,
+                                       (g - 1) * s * i.beta_s_per_byte)
+    if algo == "ring":
+        # One flat ring through every rank: each of its 2(N-1) steps waits for the slowest
+        # hop (the one between nodes), and each node link carries one chunk of S/N per step.
+        return 2 * (n - 1) * (e.alpha_s + s / n * e.beta_s_per_byte)
+    if algo == "hring":
+        intra_cost, inter_cost = hierarchical_cost(s, g, m)
+        return (intra_cost.time(i.alpha_s, i.beta_s_per_byte)
+                + inter_cost.time(e.alpha_s, e.beta_s_per_byte))
+    if algo == "tree":
+        # Binomial tree over ranks laid out node by node: the rounds at distance < G stay in
+        # the node, the others cross the network (one flow per node link); each carries S.
+        rounds = math.ceil(math.log2(n))
+        local = math.ceil(math.log2(g)) if g > 1 else 0
+        return 2 * (local * (i.alpha_s + s * i.beta_s_per_byte)
+                    + (rounds - local) * (e.alpha_s + s * e.beta_s_per_byte))
+    raise ValueError(f"unknown algorithm {algo!r}")

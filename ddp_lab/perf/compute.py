@@ -1,7 +1,8 @@
-"""Compute accounting: FLOPs per image (counted, and analytic for plain CNNs), achieved TFLOP/s and
-MFU against a peak (datasheet, or measured by `ddp_lab.bench.gemm`).
+"""The workload's compute: FLOPs per image (counted, and analytic for plain CNNs), each layer's
+parameters and FLOPs (`profile_model`: what the step model cuts into buckets and walks backward
+through), achieved TFLOP/s and MFU against a peak (datasheet, or measured by `ddp_lab.bench.gemm`).
 
-    python -m ddp_lab.cost.compute            # FLOPs of both AlexNets, counted vs analytic
+    python -m ddp_lab.perf.compute            # FLOPs of both AlexNets, counted vs analytic
 
 Conventions, the same everywhere here:
 - A FLOP is one multiply or one add: a multiply-accumulate (MAC) is 2 FLOPs. The seed article's
@@ -118,6 +119,96 @@ def _pair(v) -> tuple[int, int]:
     return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
 
 
+# ---- per-layer parameters and FLOPs ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    params: tuple[int, ...]  # numel of each parameter the layer owns, registration order
+    flops: float  # forward FLOPs per image (2 per multiply-add)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    image_size: int
+    layers: tuple[Layer, ...]  # in forward (execution) order
+
+    @property
+    def parameters(self) -> int:
+        return sum(sum(layer.params) for layer in self.layers)
+
+    @property
+    def flops_per_image(self) -> float:
+        return sum(layer.flops for layer in self.layers)
+
+    def gradients_in_backward_order(self) -> list[tuple[int, float]]:
+        """(numel, ready_fraction) per parameter, in the order backward produces them: the
+        fraction of the backward time (~ the forward FLOPs) done when its gradient exists."""
+        total = self.flops_per_image or 1.0
+        done, out = 0.0, []
+        for layer in reversed(self.layers):
+            done += layer.flops
+            out.extend((numel, done / total) for numel in reversed(layer.params))
+        return out
+
+
+MODEL_DEFAULTS = {  # name -> (image size, classes)
+    "alexnet": (224, 1000), "alexnet_cifar": (32, 10), "resnet50": (224, 1000),
+    "resnet101": (224, 1000), "vgg16": (224, 1000),
+}
+_PROFILES: dict[tuple, ModelProfile] = {}
+
+
+def profile_model(name: str, image_size: int | None = None,
+                  num_classes: int | None = None, fc_width: int = 4096) -> ModelProfile:
+    """Parameters and forward FLOPs of every layer, from one forward pass on the meta device (no
+    memory, no compute). Knows the lab's models and torchvision's resnet50/resnet101/vgg16."""
+    size, classes = MODEL_DEFAULTS.get(name, (image_size, num_classes))
+    size, classes = image_size or size, num_classes or classes
+    key = (name, size, classes, fc_width)
+    if key in _PROFILES:
+        return _PROFILES[key]
+    with torch.device("meta"):
+        if name in ("alexnet", "alexnet_cifar"):
+            from ddp_lab.models import build_model
+            model = build_model(name, classes, 0.0, fc_width=fc_width)
+        elif name in ("resnet50", "resnet101", "vgg16"):
+            import torchvision
+            model = getattr(torchvision.models, name)(weights=None, num_classes=classes)
+        else:
+            raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODEL_DEFAULTS)}")
+    layers: list[Layer] = []
+    seen: set[int] = set()
+
+    def hook(module, inputs, output):
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if isinstance(module, nn.Conv2d):
+            k = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
+            flops = 2.0 * output.numel() * k
+        elif isinstance(module, nn.Linear):
+            flops = 2.0 * output.numel() * module.in_features
+        else:
+            flops = 0.0
+        params = tuple(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+        if flops or params:
+            layers.append(Layer(module_names[id(module)], params, flops))
+
+    module_names = {id(m): n for n, m in model.named_modules()}
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if not list(m.children())]
+    with torch.no_grad():
+        model(torch.empty(1, 3, size, size, device="meta"))
+    for h in handles:
+        h.remove()
+    profile = ModelProfile(name, size, tuple(layers))
+    assert profile.parameters == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    _PROFILES[key] = profile
+    return profile
+
+
 # ---- peaks, achieved TFLOP/s, MFU -------------------------------------------------------------
 
 # Datasheet peaks, dense (no 2:4 sparsity), TFLOP/s, SXM boards unless named. fp32 is the
@@ -180,8 +271,8 @@ def mfu(achieved: float, peak: float) -> float:
 
 
 def _main() -> None:
-    from ddp_lab.bench.common import format_table
     from ddp_lab.models import build_model
+    from ddp_lab.tables import format_table
 
     rows = []
     for name, size, classes in (("alexnet", 224, 1000), ("alexnet_cifar", 32, 10)):

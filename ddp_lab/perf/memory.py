@@ -1,6 +1,8 @@
-"""Memory accounting: bytes for weights, gradients, optimizer states and master copies per
-precision scheme; activation memory of a CNN measured from the tensors autograd saves; and the
-predicted peak of a training step, to hold against `torch.cuda.max_memory_allocated`.
+"""The workload's memory: bytes for weights, gradients, optimizer states and master copies per
+precision scheme, and per GPU under each ZeRO stage (`zero_bytes`); activation memory of a CNN
+measured from the tensors autograd saves; the predicted peak of a training step, to hold against
+`torch.cuda.max_memory_allocated`; and what a ddp_lab run should hold per rank (`predict_held`,
+against what ddp_lab/held_memory.py counts).
 
 Units: GB = 1e9 bytes (the seed articles' and the parameter-count arithmetic's unit). GPU memory
 sizes sold as "80 GB" / "141 GB" are closer to GiB (an A100 80GB has 80 GiB = 85.9e9 B); counting
@@ -246,49 +248,7 @@ def predict_training_memory(model: nn.Module, batch: int, image_size: int, preci
     return out
 
 
-# ---- what a training run holds, counted and predicted (summary.json's memory block) -----------
-
-MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "comm_buffer_bytes")
-
-
-class HeldMemory:
-    """Bytes this rank holds, counted from tensor storages (a storage shared by several tensors,
-    e.g. views into one flat buffer, counted once, in the first of: parameters, gradients,
-    optimizer state, the sync's buffers), at the end of the first optimizer step that runs: the
-    gradients are still there, the optimizer state just made. Gradients: the `.grad` of the
-    model's parameters and of the optimizer's tensors (with ZeRO, its shards)."""
-
-    def __init__(self, model, optimizer, sync):
-        self.model, self.optimizer, self.sync = model, optimizer, sync
-        self.counted: dict | None = None
-        self._hook = optimizer.register_step_post_hook(lambda *_: self.count())
-
-    def count(self) -> None:
-        self._hook.remove()
-        opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: its part
-        params = list(self.model.parameters())
-        optimized = [p for g in opt.param_groups for p in g["params"]]
-        buffers = self.sync.comm_buffers()
-        seen: set = set()
-        self.counted = {
-            "params_bytes": _storage_bytes(params, seen),
-            "grads_bytes": _storage_bytes([p.grad for p in params + optimized], seen),
-            "optimizer_state_bytes": _storage_bytes(
-                [v for s in opt.state.values() for v in s.values()], seen),
-            "comm_buffer_bytes": None if buffers is None else _storage_bytes(buffers, seen)}
-
-
-def _storage_bytes(tensors, seen: set) -> int:
-    total = 0
-    for t in tensors:
-        if not torch.is_tensor(t):
-            continue
-        st = t.untyped_storage()
-        if st.nbytes() and st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
-
+# ---- what a training run should hold (held_memory.py counts what it does) ------------------
 
 def predict_held(numel: int, largest: int, world_size: int, sync: str, zero: int,
                  states: int, bucket_bytes: float, comm_elem: int, elem: int = 4) -> dict:

@@ -6,7 +6,7 @@ import json
 import pytest
 from torch import nn
 
-from ddp_lab.cost import compute
+from ddp_lab.perf import compute
 from ddp_lab.models import AlexNet, AlexNetCifar
 
 
@@ -65,3 +65,10 @@ def test_measured_peaks_from_gemm_rows(tmp_path):
     path = tmp_path / "gemm.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert compute.measured_peaks(str(path)) == {"bf16": 781.0, "fp32": 51.0}
+
+
+def test_the_command_line_prints_both_alexnets(capsys):
+    """`python -m ddp_lab.perf.compute`: counted and analytic FLOPs of both AlexNets."""
+    compute._main()
+    out = capsys.readouterr().out
+    assert "alexnet_cifar" in out and "analytic_step_gflop" in out

@@ -1,1 +1,0 @@
-"""Cost models: compute (FLOPs, MFU), memory, and the network (alpha-beta, scaling)."""
