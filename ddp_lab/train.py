@@ -154,7 +154,6 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     ctx = RunContext(cfg, cfg_dict, run_dir, info, heartbeat)
     data = build_data(cfg, info.rank, info.world_size, info.device)
     length = run_length(cfg, data, info.world_size, resumed)
-    data.train.last_epoch = (length.stop_step - 1) // length.steps_per_epoch
     timer = _make_timer(cfg.train, info.device)
     tracer = _make_tracer(cfg.train, info.device, length, timer.warmup)
     compiled_before = compiled_graphs()
@@ -286,8 +285,10 @@ def micro_batches(run: Run) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]
     """Each step's micro-batches, from the resumed position on, epoch after epoch."""
     accum, spe = run.ctx.cfg.train.accum_steps, run.length.steps_per_epoch
     epoch, step_in_epoch = divmod(run.length.start_step, spe)
+    last_epoch = (run.length.stop_step - 1) // spe  # (no fetching ahead past the run's end)
     while True:
-        batches = run.data.train.epoch(epoch, start_batch=step_in_epoch * accum)
+        batches = run.data.train.epoch(epoch, start_batch=step_in_epoch * accum,
+                                       last_epoch=last_epoch)
         for _ in range(step_in_epoch, spe):
             yield [(x.contiguous(memory_format=run.parts.memory_format), y)
                    for x, y in (next(batches) for _ in range(accum))]

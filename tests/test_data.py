@@ -277,9 +277,9 @@ def test_epochs_fetched_ahead_equal_epochs_fetched_alone(monkeypatch, data):
     assert fetch(3) == fetch(4) == fetch(5) and fetch(6) == fetch(7) != fetch(5)
 
     # A run that ends in epoch 4 (the trainer's last_epoch) fetches nothing past it.
-    ahead.last_epoch = 4
-    assert [ahead._epochs_per_fetch(e) for e in (0, 2, 3, 4)] == [3, 3, 2, 1]
-    last = [batches(ahead, e) for e in (3, 4)]
+    assert [ahead._epochs_per_fetch(e, last_epoch=4) for e in (0, 2, 3, 4)] == [3, 3, 2, 1]
+    last = [[(x.clone(), y.clone(), x._base) for x, y in ahead.epoch(e, last_epoch=4)]
+            for e in (3, 4)]
     assert last[0][0][2].data_ptr() == last[1][0][2].data_ptr()  # epochs 3 and 4, together
     assert last[0][0][2].numel() == 2 * last[0][0][0].numel() * ahead.num_batches()
     for e, got in zip((3, 4), last):

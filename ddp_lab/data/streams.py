@@ -30,11 +30,12 @@ GATHER_CHUNK = 16384
 
 
 class BatchStream:
-    """One rank's batches of a data set, epoch by epoch; `epoch(e, start_batch)` resumes mid-epoch."""
+    """One rank's batches of a data set, epoch by epoch: `epoch(e, start_batch, last_epoch)`
+    resumes mid-epoch; `last_epoch`, the last epoch the run reads (None: no end known), bounds
+    what a stream may fetch ahead."""
 
     def __init__(self, dataset, indices_for_epoch, batch_size: int, device, drop_last: bool):
         self.dataset, self.indices_for_epoch = dataset, indices_for_epoch
-        self.last_epoch: int | None = None  # the last the run reads (the trainer sets it)
         self.batch_size, self.device, self.drop_last = batch_size, device, drop_last
 
     def num_batches(self, epoch: int = 0) -> int:
@@ -48,7 +49,7 @@ class DeviceBatches(BatchStream):
     """Batches of an in-memory data set, made by indexing: no copies, no worker processes.
 
     `epochs_ahead`: an epoch that fits in FETCH_MAX_BYTES several times over is fetched together
-    with the epochs after it, up to `last_epoch` (the last the run reads, set by the trainer), and
+    with the epochs after it, up to `last_epoch` (the last the run reads, as the caller says), and
     those wait here for their turn. Each epoch's start costs a dozen
     host calls (the permutation, the draws, the index copy, the fetch), and a small model's step
     is bounded by how fast the host issues them: on digits at batch 512 an epoch is 2 steps, so
@@ -59,10 +60,11 @@ class DeviceBatches(BatchStream):
         self.augment_seed, self.epochs_ahead = augment_seed, epochs_ahead
         self._ahead: dict[int, list] = {}  # epoch -> its batches, fetched with an earlier one
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def epoch(self, epoch: int, start_batch: int = 0,
+              last_epoch: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if epoch not in self._ahead:
             self._ahead.clear()  # a jump (a resume, a calibration pass): what waits is stale
-            epochs = range(epoch, epoch + self._epochs_per_fetch(epoch))
+            epochs = range(epoch, epoch + self._epochs_per_fetch(epoch, last_epoch))
             if len(epochs) > 1:
                 self._ahead = dict(zip(epochs, self._fetch_epochs(epochs)))
         if epoch in self._ahead:
@@ -84,12 +86,12 @@ class DeviceBatches(BatchStream):
     def _epoch_bytes(self) -> int:  # every epoch's: counted once (each count draws a permutation)
         return self.num_batches() * self.batch_size * self.dataset.sample_bytes()
 
-    def _epochs_per_fetch(self, epoch: int) -> int:
+    def _epochs_per_fetch(self, epoch: int, last_epoch: int | None = None) -> int:
         if not self.epochs_ahead or self._epoch_bytes == 0:
             return 1
         ahead = FETCH_MAX_BYTES // self._epoch_bytes
-        if self.last_epoch is not None:  # (a short run: fetching past its end is wasted work)
-            ahead = min(ahead, self.last_epoch + 1 - epoch)
+        if last_epoch is not None:  # (a short run: fetching past its end is wasted work)
+            ahead = min(ahead, last_epoch + 1 - epoch)
         return max(1, ahead)
 
     def _fetch_epochs(self, epochs: range) -> list[list]:
@@ -159,8 +161,9 @@ class LoaderBatches(BatchStream):
         super().__init__(*args)
         self.num_workers = num_workers
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.dataset.epoch = epoch  # read by the workers, which start after this
+    def epoch(self, epoch: int, start_batch: int = 0,
+              last_epoch: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.dataset.epoch = epoch  # read by the workers, which start after this (nothing ahead)
         indices = self.indices_for_epoch(epoch)[start_batch * self.batch_size:].tolist()
         loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=indices,
                             drop_last=self.drop_last, num_workers=self.num_workers,
