@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab import trace
-from ddp_lab.held_memory import MEMORY_KEYS
+from ddp_lab.comm import scratch_numel
+from ddp_lab.held_memory import MEMORY_KEYS, POINTS, total
 from ddp_lab.perf.memory import predict_held
 from ddp_lab.dtypes import element_size
 from ddp_lab.metrics import with_exposed_comm
@@ -79,17 +80,27 @@ def _write(run, progress, summary: dict) -> None:
 
 
 def memory_block(run) -> dict:
-    """Collective: the bytes each rank held (lists by rank, counted), and those predicted."""
-    info, cfg = run.ctx.info, run.ctx.cfg
+    """Collective: the bytes each rank held, counted at each point of held_memory.POINTS; at the
+    point where it held the most (`peak_point`), each kind as a list by rank; beside them the
+    bytes predicted (perf.memory.predict_held) and the excess of the counted peak over them."""
+    info, s, o = run.ctx.info, run.ctx.cfg.sync, run.ctx.cfg.optim
     every = [None] * info.world_size
-    dist.all_gather_object(every, run.rec.memory.counted)
-    counted = {k: [None if c is None else c[k] for c in every] for k in MEMORY_KEYS}
-    params = [p.numel() for p in run.parts.model.parameters()]
-    s, o = cfg.sync, cfg.optim
+    dist.all_gather_object(every, run.rec.memory.points)  # [{point: counts}] by rank
+    peak = [max(p, key=lambda k: total(p[k])) if p else None for p in every]
+    numels = [q.numel() for q in run.parts.model.parameters()]
     states = {"adamw": 2, "sgd": int(o.momentum > 0)}[o.name]
-    predicted = predict_held(sum(params), max(params), info.world_size, s.name, s.zero,
-                             states, s.bucket_mb * 2**20, element_size(s.comm_dtype))
-    return {**counted, "predicted": predicted, "zero": s.zero}
+    predicted = [predict_held(numels, info.world_size, r, s.name, s.zero, states, s.bucket_mb,
+                              element_size(s.comm_dtype), s.overlap,
+                              scratch_numel) for r in range(info.world_size)]
+    by_rank = lambda rows, k: [None if row is None else row[k] for row in rows]
+    counted = [None if k is None else p[k] for p, k in zip(every, peak)]
+    return {**{k: by_rank(counted, k) for k in MEMORY_KEYS}, "peak_point": peak,
+            "points": {point: {k: by_rank([p.get(point) for p in every], k)
+                               for k in MEMORY_KEYS} for point in POINTS},
+            "predicted": {k: by_rank(predicted, k) for k in MEMORY_KEYS},
+            "excess_bytes": [None if c is None else total(c) - total(p)
+                             for c, p in zip(counted, predicted)],
+            "zero": s.zero}
 
 
 def _gather_floats(value: float, device) -> list[float]:

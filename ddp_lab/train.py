@@ -245,6 +245,7 @@ def loop(run: Run) -> Progress:
     from tqdm import tqdm
 
     length, timer, tracer = run.length, run.rec.timer, run.rec.tracer
+    mark = run.rec.memory.watching(timer.mark)  # the phases timed, and the bytes held counted
     # disable=None: a bar only on a terminal; redirected output gets log lines instead.
     bar = tqdm(total=length.total_steps, initial=length.start_step, unit="step",
                dynamic_ncols=True, file=sys.stderr,
@@ -259,7 +260,7 @@ def loop(run: Run) -> Progress:
         tracing = tracer is not None and tracer.begin_step(step)
         batch = next(batches)
         timer.mark("data")
-        run.step(step, batch, timer.mark)
+        run.step(step, batch, mark)
         run.scheduler.step()
         timer.mark(run.step.last_phase)
         timer.note("comm_busy", run.parts.sync.comm_busy_ms())  # NaN where it cannot measure it

@@ -82,9 +82,12 @@ def test_torchvision_model_and_predicted_memory_on_cpu(together):
     assert m["measured_peak_gb"] != m["measured_peak_gb"]  # nan: no CUDA allocator here
     zero = {r["stage"]: r for r in load(run_dir / "zero_measured.jsonl")}
     assert sorted(zero) == [0, 2]
-    held = ("params_gb", "grads_gb", "optimizer_state_gb", "comm_buffer_gb")
-    for r in zero.values():  # at world size 1 the count is exactly the design's
-        assert sum(r[k] for k in held) == pytest.approx(r["pred_held_gb"], rel=1e-6)
+    held = ("params_gb", "grads_gb", "optimizer_state_gb", "comm_buffer_gb", "comm_scratch_gb")
+    for stage, r in zero.items():  # at world size 1 the count is exactly the design's, but at
+        # zero>=1 every parameter's full .grad is still there at the peak beside the shards':
+        # that excess is counted (the ZeRO-3 issue frees it)
+        excess = r["params_gb"] if stage else 0.0
+        assert sum(r[k] for k in held) == pytest.approx(r["pred_held_gb"] + excess, rel=1e-6)
         assert r["optimizer_state_gb"] == pytest.approx(2 * r["params_gb"])  # AdamW
     # zero=2 keeps one bucket of scratch, not all of them; the model's .grad is extra at peak
     assert zero[2]["comm_buffer_gb"] < zero[0]["comm_buffer_gb"] == zero[0]["params_gb"]

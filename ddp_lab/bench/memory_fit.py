@@ -245,7 +245,8 @@ def predicted_peak_parts(cfg, stage: int, precision: str, summary: dict) -> dict
     step's activations, input batch and autocast copies (ddp_lab.perf.memory)."""
     from ddp_lab.models import MODELS
 
-    predicted = summary["memory"]["predicted"]
+    # world size 1: rank 0's prediction (the block has one per rank)
+    predicted = {k: v[0] or 0 for k, v in summary["memory"]["predicted"].items()}
     size, classes = _image_shape(cfg)
     step = mem.predict_training_memory(MODELS[cfg.measure_model](num_classes=classes),
                                        cfg.measure_batch, size, precision, "adamw",
@@ -257,7 +258,7 @@ def predicted_peak_parts(cfg, stage: int, precision: str, summary: dict) -> dict
 def _zero_row(cfg, stage: int, precision: str, summary: dict) -> dict:
     held = summary["memory"]
     counted = {k: v[0] for k, v in held.items() if k in MEMORY_KEYS}
-    pred_held = sum(held["predicted"].values())
+    pred_held = sum(v[0] or 0 for v in held["predicted"].values())
     pred_peak = sum(predicted_peak_parts(cfg, stage, precision, summary).values())
     measured = summary.get("max_memory_allocated_GiB", float("nan")) * 2**30
     return {"model": cfg.measure_model, "batch": cfg.measure_batch, "precision": precision,

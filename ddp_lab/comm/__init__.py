@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ddp_lab.perf.collectives import Cost, bus_bandwidth, cost
 from ddp_lab.comm import naive, ring, tree
-from ddp_lab.comm.p2p import Channel, CommError, Recorder, recording
+from ddp_lab.comm.p2p import Channel, CommError, Recorder, kept_scratch, recording
 # Imported, so registered, after ours: listings (ALGOS, error messages) show the reference last.
 from ddp_lab.comm import native  # noqa: E402,F401
 from ddp_lab.comm.collective import COLLECTIVES
@@ -51,6 +51,14 @@ def all_reduce(tensor: torch.Tensor, algo: str, group=None) -> torch.Tensor:
         return tensor
     _run("all_reduce", tensor.view(-1), algo, group)
     return tensor
+
+
+def scratch_numel(algo: str, op: str, numel: int, world_size: int, rank: int, elem: int) -> int:
+    """Elements of receive scratch one `op` of `numel` elements (of `elem` bytes) keeps on `rank`
+    (the backend's own: none that we hold)."""
+    if world_size == 1 or numel == 0:
+        return 0
+    return COLLECTIVES[algo].scratch(op, numel, world_size, rank, elem)
 
 
 def shard(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

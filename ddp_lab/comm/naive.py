@@ -53,7 +53,13 @@ def all_gather_naive(flat: torch.Tensor, ch: Channel) -> None:
     _broadcast(flat, ch)
 
 
-COLLECTIVES.register("naive", Collective(all_reduce_naive, reduce_scatter_naive, all_gather_naive))
+def scratch_numel(op: str, numel: int, n: int, rank: int, elem: int) -> int:
+    """Receive scratch of one call: rank 0 takes N-1 whole tensors to sum (all_gather: none)."""
+    return (n - 1) * numel if rank == 0 and op != "all_gather" else 0
+
+
+COLLECTIVES.register("naive", Collective(all_reduce_naive, reduce_scatter_naive, all_gather_naive,
+                                         scratch_numel))
 
 
 def _sum_at_root(flat: torch.Tensor, ch: Channel) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +50,9 @@ class Recorder:
         self.events.clear()
 
 
-_kept = threading.local()  # receive buffers, per thread: the sync's communication thread has its own
+# Receive buffers, per thread: the sync's communication thread has its own, freed with it.
+_kept = threading.local()
+_every_kept: weakref.WeakSet = weakref.WeakSet()  # the same buffers, every thread's, to count
 
 
 def scratch(like: torch.Tensor, numel: int, count: int) -> torch.Tensor:
@@ -64,7 +67,13 @@ def scratch(like: torch.Tensor, numel: int, count: int) -> torch.Tensor:
     buf = kept.get(like.dtype)
     if buf is None or buf.numel() < count * numel:
         buf = kept[like.dtype] = torch.empty(count * numel, dtype=like.dtype)
+        _every_kept.add(buf)
     return buf[:count * numel].view(count, numel)
+
+
+def kept_scratch() -> list[torch.Tensor]:
+    """Every receive buffer kept now, of every thread (the memory count: summary.json)."""
+    return list(_every_kept)
 
 
 _local = threading.local()

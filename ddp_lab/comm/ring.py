@@ -69,7 +69,14 @@ def all_gather_ring(flat: torch.Tensor, ch: Channel) -> None:
     _ring(flat, ch, range(ch.size - 1, 2 * (ch.size - 1)), shift=-1)
 
 
-COLLECTIVES.register("ring", Collective(all_reduce_ring, reduce_scatter_ring, all_gather_ring))
+def scratch_numel(op: str, numel: int, n: int, rank: int, elem: int) -> int:
+    """Receive scratch of one call (any op, any rank): two slices of the largest chunk."""
+    chunk = -(-numel // n)
+    return 2 * -(-chunk // slices_per_chunk(chunk, elem)) if n > 1 and numel else 0
+
+
+COLLECTIVES.register("ring", Collective(all_reduce_ring, reduce_scatter_ring, all_gather_ring,
+                                        scratch_numel))
 
 
 def _ring(flat: torch.Tensor, ch: Channel, steps: range, shift: int) -> None:

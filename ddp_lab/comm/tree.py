@@ -70,7 +70,14 @@ def all_gather_tree(flat: torch.Tensor, ch: Channel) -> None:
     _broadcast(flat, ch)
 
 
-COLLECTIVES.register("tree", Collective(all_reduce_tree, reduce_scatter_tree, all_gather_tree))
+def scratch_numel(op: str, numel: int, n: int, rank: int, elem: int) -> int:
+    """Receive scratch of one call: a rank with a child (even, not the last) takes its partial
+    sums into one whole-tensor buffer (all_gather receives into place: none)."""
+    return numel if op != "all_gather" and rank % 2 == 0 and rank + 1 < n else 0
+
+
+COLLECTIVES.register("tree", Collective(all_reduce_tree, reduce_scatter_tree, all_gather_tree,
+                                        scratch_numel))
 
 
 def _reduce(flat: torch.Tensor, ch: Channel) -> None:

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ddp_lab import buckets
 
 GB = 1e9
 
@@ -250,23 +253,39 @@ def predict_training_memory(model: nn.Module, batch: int, image_size: int, preci
 
 # ---- what a training run should hold (held_memory.py counts what it does) ------------------
 
-def predict_held(numel: int, largest: int, world_size: int, sync: str, zero: int,
-                 states: int, bucket_bytes: float, comm_elem: int, elem: int = 4) -> dict:
-    """What a ddp_lab run should hold per rank, by design (fp32 parameters: precision=bf16|fp16
-    autocasts, it does not store 16-bit copies): `numel` parameters (the largest has `largest`),
-    `states` optimizer tensors per element, on `world_size` ranks.
+def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, zero: int,
+                 states: int, bucket_mb: float, comm_elem: int, overlap: bool,
+                 scratch_numel: Callable | None = None, elem: int = 4) -> dict:
+    """What rank `rank` of a ddp_lab run should hold, by design (fp32 parameters: precision=bf16|
+    fp16 autocasts, it does not store 16-bit copies): parameters of `numels` elements
+    (registration order), `states` optimizer tensors per element, on `world_size` ranks.
       ours (naive|ring|tree): zero=0 gradients P and buckets P (a flat copy to all-reduce);
-        zero>=1 the shards' gradients P/N, state P/N; buckets P at zero=1, the largest one
-        (~sync.bucket_mb, or the largest parameter) at zero=2.
-      ddp: gradients P; its buckets are inside its C++ reducer (None: not counted); zero=1 state
-        P/N (ZeroRedundancyOptimizer assigns whole parameters: a rank's share can be uneven).
+        zero>=1 the shards' gradients P/N, state P/N; buckets P at zero=1, the largest one at
+        zero=2 (one scratch for all: ddp_lab/buckets.py cuts them). Receive scratch: the most
+        any bucket's reduction keeps (`scratch_numel`: ddp_lab.comm's, per algorithm), on the
+        communication thread with overlap; with ZeRO the parameters' all-gather's on the training
+        thread (one buffer for both where the thread and the dtype are the same).
+      ddp: gradients P; its buckets and scratch are inside its C++ reducer and the backend (None:
+        not counted); zero=1 state P/N (ZeroRedundancyOptimizer assigns whole parameters: a
+        rank's share can be uneven).
     AdamW's step counters (4 B per tensor) are left out."""
-    n, p = world_size, numel * elem
-    ours, sharded = sync in ("naive", "ring", "tree"), zero >= 1
-    comm = None if sync == "ddp" else 0 if sync == "none" else (
-        min(max(bucket_bytes // comm_elem, largest), numel) * comm_elem if zero == 2
-        else numel * comm_elem)
-    return {"params_bytes": p,
-            "grads_bytes": p / n if ours and sharded else p,
-            "optimizer_state_bytes": states * p / (n if sharded else 1),
-            "comm_buffer_bytes": comm}
+    n, p = world_size, sum(numels) * elem
+    ours, sharded = sync not in ("ddp", "none"), zero >= 1
+    out = {"params_bytes": p, "grads_bytes": p / n if ours and sharded else p,
+           "optimizer_state_bytes": states * p / (n if sharded else 1),
+           "comm_buffer_bytes": None if sync == "ddp" else 0,
+           "comm_scratch_bytes": None if sync == "ddp" else 0}
+    if not ours:
+        return out
+    sizes = list(numels)[::-1]  # backward's order, as the sync cuts them
+    per_bucket = [sum(sizes[i] for i in g)
+                  for g in buckets.plan([k * comm_elem for k in sizes], bucket_mb, "ours")]
+    out["comm_buffer_bytes"] = (max(per_bucket) if zero == 2 else sum(per_bucket)) * comm_elem
+    reduce_op = "reduce_scatter" if zero == 2 else "all_reduce"
+    reduce = max(scratch_numel(sync, reduce_op, b, n, rank, comm_elem)
+                 for b in per_bucket) * comm_elem
+    gather = max(scratch_numel(sync, "all_gather", b, n, rank, elem)
+                 for b in per_bucket) * elem if sharded else 0
+    one_buffer = not overlap and comm_elem == elem  # the same thread and dtype: kept once
+    out["comm_scratch_bytes"] = max(reduce, gather) if one_buffer else reduce + gather
+    return out

@@ -75,6 +75,11 @@ class GradSync:
         """Load a whole (unsharded) state dict, as `optimizer_state` makes them."""
         optimizer.load_state_dict(state)
 
+    def kept_grads(self) -> list[torch.Tensor]:
+        """Gradient tensors the sync keeps across steps beside the parameters' `.grad` (ZeRO: the
+        shards'), for the memory count."""
+        return []
+
     def comm_buffers(self) -> list[torch.Tensor] | None:
         """The sync's own buffers (buckets, scratch) for the memory count (summary.json); None
         where they cannot be counted."""

@@ -128,6 +128,9 @@ class ShardedSync(BucketedSync):
         # (CUDA: the host only launched it; its time is in comm_busy_ms, from events)
         self._gather_ms = (time.perf_counter() - start) * 1e3 if not self.cuda else float("nan")
 
+    def kept_grads(self) -> list[torch.Tensor]:
+        return self.grads
+
     def comm_stats(self) -> dict:
         return {**super().comm_stats(), "zero": self.stage,
                 "gather_bytes_per_step": self._gather_bytes, "gather_ms": self._gather_ms,
