@@ -311,3 +311,42 @@ def _covers(label, piece) -> bool:
     if isinstance(label, tuple):
         return label == piece
     return piece[0] == label
+
+
+def _kept_scratch(rank, n):
+    """Every op of ours, each in a fresh thread (receive scratch is kept per thread), at sizes
+    that slice the ring's chunks or not: the elements the thread keeps afterwards."""
+    import threading
+
+    from ddp_lab.comm import p2p
+
+    out = {}
+    for algo in comm.OURS:
+        for op in ("all_reduce",) + OPS:
+            for numel in (7, 1000, 3 << 20):  # fewer elements than ranks; one slice; several
+                def call():
+                    t = torch.ones(numel)
+                    if op == "all_reduce":
+                        comm.all_reduce(t, algo)
+                    else:
+                        part = comm.shard(t, rank, n).clone()
+                        getattr(comm, op)(*((t, part) if op == "reduce_scatter" else (part, t)),
+                                          algo)
+                    kept = getattr(p2p._kept, "by_dtype", {}).get(torch.float32)
+                    out[(algo, op, numel)] = 0 if kept is None else kept.numel()
+
+                thread = threading.Thread(target=call)
+                thread.start()
+                thread.join()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_scratch_numel_is_what_each_algorithm_keeps():
+    """comm.scratch_numel, written beside each algorithm, against the receive buffer a call
+    really keeps (p2p.scratch), on every rank of 3 (naive's root and tree's inner ranks keep more
+    than the others; the ring's slices change with the size)."""
+    n = 3
+    for rank, kept in enumerate(spawn(_kept_scratch, n, timeout=100)):
+        for (algo, op, numel), got in kept.items():
+            assert got == comm.scratch_numel(algo, op, numel, n, rank, 4), (algo, op, numel, rank)
