@@ -83,8 +83,9 @@ class Results(Mapping):
 
 def launches_read_by(item) -> set[Launch]:
     """The background launches a collected test reads, through any fixture it requests."""
+    info = getattr(item, "_fixtureinfo", None)  # (a doctest item has none)
     found = (getattr(defs[-1].func, "background", None)
-             for defs in item._fixtureinfo.name2fixturedefs.values() if defs)
+             for defs in (info.name2fixturedefs.values() if info else ()) if defs)
     return {launch for launch in found if launch is not None}
 
 

@@ -7,7 +7,7 @@ import json
 import os
 
 import torch
-from ddp_lab.cli import CONF_DIR, compose  # noqa: F401  (CONF_DIR: test_scale.py's)
+from ddp_lab.cli import compose
 from launchers import ranks
 
 # Small, fast, deterministic runs: dropout off so ranks and world sizes are comparable.

@@ -169,8 +169,8 @@ class _Forked:
     def _env(self, rank: int) -> dict:
         if not self.nproc:
             return self.base_env
-        return {**self.base_env, **worker_env(rank, self.nproc, self.store.port, self.run_id,
-                                              self._log(rank, "error.json"), self.base_env)}
+        return {**self.base_env, **_worker_env(rank, self.nproc, self.store.port, self.run_id,
+                                               self._log(rank, "error.json"), self.base_env)}
 
     def _log(self, rank: int, what: str) -> str:
         return os.path.join(self.logs.name, f"{rank}.{what}")
@@ -207,8 +207,8 @@ class _Forked:
         self.store = None  # its server stops with it
 
 
-def worker_env(rank: int, nproc: int, port: int, run_id: str, error_file: str,
-               base_env: dict) -> dict:
+def _worker_env(rank: int, nproc: int, port: int, run_id: str, error_file: str,
+                base_env: dict) -> dict:
     """The variables torchrun --standalone gives worker `rank` of `nproc` on one node
     (torch/distributed/elastic/agent/server/local_elastic_agent.py's _start_workers, plus what
     its agent and its process context add: the error file, the signals it forwards)."""

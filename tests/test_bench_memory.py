@@ -1,7 +1,5 @@
 """Memory-bandwidth benchmark on the CPU: bytes counted as read + written, rows consistent."""
 
-import json
-
 import pytest
 
 from background import background

@@ -5,7 +5,6 @@ and the rank), non-finite losses (fp16: the scaler skips on every rank; fp32: sk
 stop, never a NaN in a checkpoint), a diverged replica (stopped, ranks named)."""
 
 import json
-import os
 
 import pytest
 import torch

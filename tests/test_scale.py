@@ -9,7 +9,8 @@ import os
 import pytest
 
 from background import background
-from helpers import CONF_DIR, SCALE_SWEPT, SCALE_TINY, check, scale
+from ddp_lab.cli import CONF_DIR
+from helpers import SCALE_SWEPT, SCALE_TINY, check, scale
 
 from ddp_lab.scale.predict import PHASES
 

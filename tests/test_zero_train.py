@@ -14,7 +14,7 @@ import torch
 
 from background import background
 from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff, summary
-from launchers import ranks, torchrun
+from launchers import ranks
 from reliab_helpers import RESUME, assert_same_training_state, train_log
 
 TOLERANCE = 1e-6
@@ -31,19 +31,16 @@ RUNS = {  # id: overrides (2 ranks x 16, helpers.SMALL)
     "ring-fp16": ["sync=ring", *FP16],
 }
 STOP = ["train.stop_at_step=4", "train.checkpoint_every=2"]
-# One run of each stage under torchrun itself, as a user starts it; the others fork their ranks.
-UNDER_TORCHRUN = {"ring-zero1", "ring-zero2"}
 
 
-@background(cost=lambda run: 20 if "fp16" in run or run in UNDER_TORCHRUN else 10, keys=RUNS)
+@background(cost=lambda run: 20 if "fp16" in run else 10, keys=RUNS)
 def launched(run, run_dir):
     """Run id of RUNS -> its run dir."""
     overrides = RUNS[run]
     batch = [] if any(o.startswith("train.batch_size=") for o in overrides) else [
         "train.batch_size=16"]
-    launcher = torchrun if run in UNDER_TORCHRUN else ranks
-    check(launcher(SMALL + SMALL_BUCKETS + batch + overrides + [f"hydra.run.dir={run_dir}"],
-                   timeout=240))
+    check(ranks(SMALL + SMALL_BUCKETS + batch + overrides + [f"hydra.run.dir={run_dir}"],
+                timeout=240))
     return run_dir
 
 
