@@ -1,25 +1,15 @@
-"""Shared test helpers: compose configs without launching, and launch real jobs (torchrun, its
-ranks forked from a process with torch imported, python -m) with a timeout so a distributed bug
-fails the test instead of hanging CI."""
+"""Shared test helpers: the runs' configurations, composing configs without launching, and
+reading what a launch left (launchers.py starts them)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
-from types import SimpleNamespace
-from typing import Callable
 
 import torch
-from ddp_lab.cli import CONF_DIR, compose
+from ddp_lab.cli import compose
+from launchers import ranks
 
-REPO = os.path.dirname(CONF_DIR)
 # Small, fast, deterministic runs: dropout off so ranks and world sizes are comparable.
 FAST = ["train.progress=false", "model.dropout=0", "train.timing_warmup=0", "train.calibrate_steps=0"]
 # The short end-to-end runs of test_train.py and test_sync_train.py, which share their two
@@ -49,115 +39,16 @@ def compose_config(overrides: list[str] = (), config_name: str = "config"):
     return compose(overrides, config_name)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env(**extra) -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):  # never a rendezvous of this process's
-        e.pop(k, None)
-    e.update(extra)
-    return e
-
-
-def run_cmd(cmd: list[str], timeout: float, extra_env=None, cwd: str = REPO):
-    """Run `cmd` to completion in a session of its own, from the repo root. On timeout the whole
-    process group is killed (torchrun's workers, a script's children: nothing outlives the test,
-    and nothing holds the output pipes open) and the test fails with the output's tails. Returns
-    .returncode, .stdout, .stderr and .elapsed (seconds)."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env(**(extra_env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {cmd}\n{out[-3000:]}\n{err[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a failed job
-        except ProcessLookupError:
-            pass
-    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err,
-                           elapsed=time.monotonic() - t0)
-
-
-def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, extra_env=None,
-             launcher_args: list[str] | None = None, module: str = "ddp_lab.train"):
-    """Run `torchrun ... -m module args` to completion (or kill it at `timeout`)."""
-    launcher = launcher_args or ["--standalone", f"--nproc_per_node={nproc}"]
-    return run_cmd([sys.executable, "-m", "torch.distributed.run", *launcher, "-m", module, *args],
-                   timeout, extra_env)
-
-
-def ranks(args: list[str], nproc: int = 2, timeout: float = 240, extra_env=None,
-          module: str = "ddp_lab.train"):
-    """What `torchrun(args, nproc, ...)` computes (nproc=0: `python_module(args, module, ...)`),
-    with the ranks forked from a process that has torch imported already
-    (spawn_helpers.run_module): for the tests of what a run computes."""
-    from spawn_helpers import run_module
-
-    return run_module(module, args, nproc, env(**(extra_env or {})), timeout, REPO)
-
-
-def python_module(args: list[str], module: str = "ddp_lab.train", timeout: float = 240,
-                  extra_env=None):
-    return run_cmd([sys.executable, "-m", module, *args], timeout, extra_env)
-
-
 def scale(args, timeout=420):
+    """`python -m ddp_lab.scale args`, forked (its points still run under torchrun)."""
     return ranks(args, nproc=0, module="ddp_lab.scale", timeout=timeout)
 
 
-def run_together(calls: dict, workers: int = 2) -> dict[object, Future]:
-    """Run independent launches (name -> zero-argument callable) `workers` at a time and return
-    name -> its finished Future: `.result()` is the launch's return value, or raises what it
-    raised. Each keeps its own timeout."""
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {name: pool.submit(fn) for name, fn in calls.items()}
-    return futures
-
-
-# Every launch the suite's tests read (training runs, benchmarks, bad commands, injected faults),
-# each declared with launch_together next to the tests that read it. conftest.py's `launches` starts
-# all of them that a selected test reads, in the background before the first test, two at a time,
-# while the tests that need no launch run: a launch leaves cores idle much of its time (its start-up,
-# a rank waiting at a barrier or on a hung peer), and they fill them. Declared at import, so every
-# one is known once collection ends. Name -> (the test modules that read it, cost, fn).
-TOGETHER: dict[str, tuple[tuple[str, ...], float, Callable]] = {}
-
-
-def launch_together(name: str, cost: float, used_by: tuple[str, ...] = ()):
-    """Decorator: `fn(directory) -> result` joins TOGETHER as `name`, launched where one of
-    `used_by` (test module names; by default the module that declares it) has selected tests.
-    `cost`: about how many seconds it takes alone on a 2-core machine (within a module, the
-    longest starts first)."""
-    used_by = used_by or (sys._getframe(1).f_globals["__name__"],)
-
-    def add(fn):
-        assert name not in TOGETHER, f"two launches named {name}"
-        TOGETHER[name] = (used_by, cost, fn)
-        return fn
-    return add
-
-
-def _small_reference(overrides: list[str], nproc: int, run_dir):
-    check(ranks(SMALL + overrides + [f"hydra.run.dir={run_dir}"], nproc=nproc, timeout=240))
-    return run_dir
-
-
-# The two named references of the end-to-end training tests, made once per session: one process on
-# the whole batch (sync=none, batch 32) and torch DDP on 2 ranks x 16 (sync=ddp), both SMALL.
+# The two named references of the end-to-end training tests, made once per session (conftest.py's
+# `small_references`): one process on the whole batch (sync=none, batch 32) and torch DDP on
+# 2 ranks x 16 (sync=ddp), both SMALL. Name -> (overrides, ranks).
 SMALL_REFERENCES = {"single": (["sync=none", "train.batch_size=32"], 1),
                     "ddp": (["sync=ddp", "train.batch_size=16", *SMALL_BUCKETS], 2)}
-for _name, (_overrides, _nproc) in SMALL_REFERENCES.items():
-    launch_together(f"small_{_name}", cost=10, used_by=(
-        "test_train", "test_sync_train", "test_zero_train", "test_trace"))(
-        partial(_small_reference, _overrides, _nproc))
 
 
 def check(proc) -> None:

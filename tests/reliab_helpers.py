@@ -1,16 +1,16 @@
-"""Shared by the reliability tests (test_resume, test_faults, test_bad_input): a tiny run, a
-launcher that kills the whole process group on timeout (a hung rank must not outlive a test),
-and the uninterrupted reference runs, launched once per session."""
+"""Shared by the reliability tests (test_resume, test_faults, test_bad_input): a tiny run, the
+syncs they cover, and how a run is compared with its uninterrupted reference (conftest.py's
+`uninterrupted`)."""
 
 from __future__ import annotations
 
 import os
-from functools import partial
 
 import pytest
 import torch
 
-from helpers import FAST, REPO, check, launch_together, python_module, ranks, torchrun
+from helpers import FAST
+from launchers import REPO
 
 # 2 ranks x 8 = 16 samples per step, 48 samples: 3 steps per epoch, 6 steps in 2 epochs, so a stop
 # at step 4 (or 2) is mid-epoch. Random images (see test_train.py on why not digits). Dropout on:
@@ -28,18 +28,6 @@ SYNCS = [
         not HAVE_RING, reason="sync=ring is not available yet (no conf/sync/ring.yaml on this branch)")),
 ]
 SYNC_NAMES = ["ddp"] + ["ring"] * HAVE_RING  # the SYNCS that run here (for fixtures)
-
-
-def launch(args: list[str], nproc: int = 2, timeout: float = 180, launcher=None,
-           module: str = "ddp_lab.train", extra_env=None):
-    """`nproc` ranks of `module` as torchrun starts them (helpers.ranks); with `launcher`
-    (torchrun's arguments), torchrun itself; with nproc=0, plain python. On timeout everything
-    the launch started is killed."""
-    if launcher:
-        return torchrun(args, nproc, timeout, extra_env, launcher, module)
-    if nproc:
-        return ranks(args, nproc, timeout, extra_env, module)
-    return python_module(args, module, timeout, extra_env)
 
 
 def ckpt(path) -> dict:
@@ -65,17 +53,3 @@ def assert_same_training_state(run_dir, ref_dir) -> None:
 def train_log(run_dir) -> str:
     with open(os.path.join(run_dir, "train.log")) as f:
         return f.read()
-
-
-def make_reference(run_dir, sync: str):
-    """The uninterrupted run every resumed or restarted run must equal."""
-    check(launch(RESUME + [f"sync={sync}", "train.checkpoint_every=6", f"hydra.run.dir={run_dir}"]))
-    return run_dir
-
-
-# One per sync, launched with the other launches of helpers.TOGETHER, read as
-# together[f"reference_{sync}"]: (its run dir, its run dir).
-for _sync in SYNC_NAMES:
-    launch_together(f"reference_{_sync}", cost=8,
-                    used_by=("test_bad_input", "test_faults", "test_resume"))(
-        partial(make_reference, sync=_sync))

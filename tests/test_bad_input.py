@@ -12,8 +12,9 @@ from hydra.errors import ConfigCompositionException
 
 from ddp_lab import checkpoint
 from ddp_lab.config import ConfigError, validate
-from helpers import compose_config, launch_together, run_cmd
-from reliab_helpers import launch
+from background import background
+from helpers import compose_config
+from launchers import python_module, run_cmd
 
 
 def assert_clean_failure(proc, needle: str, code: int = 2):
@@ -37,43 +38,39 @@ def snapshot(run_dir) -> dict:
     return files
 
 
-# ---- launches that need nothing but a directory: run with helpers.TOGETHER (conftest's `together`)
+# ---- launches that need nothing but a directory: background fixtures (tests/README.md)
 
-@launch_together("bad_input_misspelled_value", cost=10)
-def _misspelled_value(tmp_path):
-    return launch(["train.resume=atuo", f"hydra.run.dir={tmp_path}"], nproc=0, timeout=120)
+@background(cost=10)
+def misspelled_value(tmp_path):
+    return python_module(["train.resume=atuo", f"hydra.run.dir={tmp_path}"], timeout=120)
 
 
-@launch_together("bad_input_corrupted_data_root", cost=10)
-def _corrupted_data_root(tmp_path):
+@background(cost=10)
+def corrupted_data_root(tmp_path):
     root = tmp_path / "cifar"
     (root / "cifar-10-batches-py").mkdir(parents=True)
     for name in ["data_batch_1", "test_batch", "batches.meta"]:
         (root / "cifar-10-batches-py" / name).write_bytes(b"not a pickle")
-    return launch(["data=cifar10", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"],
-                  nproc=0, timeout=120)
+    return python_module(["data=cifar10", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         timeout=120)
 
 
-@launch_together("bad_input_run_dir_under_a_regular_file", cost=8)
-def _run_dir_under_a_regular_file(tmp_path):
-    (tmp_path / "file").write_text("keep me")
-    return launch([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], nproc=0, timeout=120)
-
-
-@launch_together("bad_input_default_run_dir_under_a_regular_file", cost=8)
-def _default_run_dir_under_a_regular_file(tmp_path):
-    """No hydra.run.dir: the default, outputs/train/<overrides>, from a directory where `outputs`
-    is a file."""
-    (tmp_path / "outputs").write_text("keep me")
+@background(cost=8, keys=["file", "outputs"])
+def run_dir_under_a_regular_file(file, tmp_path):
+    """(the failed launch, tmp_path) for a run dir through the regular file tmp_path/`file`: "file":
+    hydra.run.dir=file/run; "outputs": no hydra.run.dir, so the default, outputs/train/<overrides>,
+    from tmp_path (resolved from ${hydra:...})."""
+    (tmp_path / file).write_text("keep me")
+    if file == "file":
+        return python_module([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], timeout=120), tmp_path
     return run_cmd([sys.executable, "-m", "ddp_lab.train", "train.max_steps=1"], timeout=120,
-                   cwd=str(tmp_path))
+                   cwd=str(tmp_path)), tmp_path
 
 
 # ---- misspelled options and values ------------------------------------------------------------
 
-def test_misspelled_value_fails_clearly(together):
-    proc, _ = together["bad_input_misspelled_value"].result()
-    assert_clean_failure(proc, "train.resume='atuo' is not auto, never or an existing checkpoint")
+def test_misspelled_value_fails_clearly(misspelled_value):
+    assert_clean_failure(misspelled_value, "train.resume='atuo' is not auto, never or an existing checkpoint")
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -113,9 +110,8 @@ def test_keep_every_not_a_multiple_of_checkpoint_every_fails_clearly():
 
 # ---- data that cannot be read -----------------------------------------------------------------
 
-def test_corrupted_data_root_fails_clearly(together):
-    proc, _ = together["bad_input_corrupted_data_root"].result()
-    assert_clean_failure(proc, "Dataset not found or corrupted")
+def test_corrupted_data_root_fails_clearly(corrupted_data_root):
+    assert_clean_failure(corrupted_data_root, "Dataset not found or corrupted")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod 000 directory anyway; "
@@ -126,8 +122,8 @@ def test_unreadable_data_root_fails_clearly(tmp_path):
         (root / split / "cat").mkdir(parents=True)
     os.chmod(root / "train", 0)
     try:
-        proc = launch(["data=imagefolder", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"],
-                      nproc=0, timeout=120)
+        proc = python_module(["data=imagefolder", f"data.root={root}",
+                              f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
     finally:
         os.chmod(root / "train", 0o755)
     assert_clean_failure(proc, "is not readable")
@@ -169,26 +165,23 @@ def test_compile_where_it_cannot_work_is_refused_up_front(monkeypatch):
 # ---- run dirs ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
-def test_resuming_into_a_run_dir_of_an_incompatible_config_touches_nothing(together):
+def test_resuming_into_a_run_dir_of_an_incompatible_config_touches_nothing(uninterrupted):
     """A 2-rank run's dir, started again as one process with another learning rate."""
-    run = together["reference_ddp"].result()[0]
+    run = uninterrupted["ddp"]
     before = snapshot(run)
     lr = compose_config([]).optim.lr
-    proc = launch([f"hydra.run.dir={run}", "data=synthetic", f"optim.lr={lr * 2}"], nproc=0,
-                  timeout=120)
+    proc = python_module([f"hydra.run.dir={run}", "data=synthetic", f"optim.lr={lr * 2}"],
+                         timeout=120)
     assert_clean_failure(proc, "was written by a different config")
     assert "world_size: 2 -> 1" in proc.stderr and f"optim.lr: {lr} -> {lr * 2}" in proc.stderr
     assert "nothing was loaded or written" in proc.stderr
     assert snapshot(run) == before  # bytes and mtimes of every file, .hydra/ included
 
 
-@pytest.mark.parametrize("launch_name, file", [
-    ("bad_input_run_dir_under_a_regular_file", "file"),
-    ("bad_input_default_run_dir_under_a_regular_file", "outputs"),  # resolved from ${hydra:...}
-])
-def test_a_run_dir_under_a_regular_file_fails_clearly(together, launch_name, file):
+@pytest.mark.parametrize("file", ["file", "outputs"])
+def test_a_run_dir_under_a_regular_file_fails_clearly(run_dir_under_a_regular_file, file):
     """Works as root too (chmod does not stop root's writes; a path through a file stops anyone)."""
-    proc, tmp_path = together[launch_name].result()
+    proc, tmp_path = run_dir_under_a_regular_file[file]
     assert_clean_failure(proc, "is not writable: Not a directory")
     assert "Warning" not in proc.stderr, proc.stderr  # the check ran, not skipped with a warning
     assert (tmp_path / file).read_text() == "keep me"
@@ -201,7 +194,7 @@ def test_a_read_only_run_dir_fails_clearly(tmp_path):
     run.mkdir()
     os.chmod(run, 0o555)
     try:
-        proc = launch([f"hydra.run.dir={run}"], nproc=0, timeout=120)
+        proc = python_module([f"hydra.run.dir={run}"], timeout=120)
     finally:
         os.chmod(run, 0o755)
     assert_clean_failure(proc, "is not writable: Permission denied")

@@ -1,4 +1,5 @@
-"""python -m ddp_lab.bench.allreduce: a real 2-rank gloo run through torchrun, its rows and files."""
+"""python -m ddp_lab.bench.allreduce: a real 2-rank gloo run through torchrun itself (every
+algorithm's entry point, as a user starts it), its rows and files."""
 
 import csv
 import json
@@ -6,27 +7,30 @@ import os
 
 import pytest
 
-from helpers import check, compose_config, launch_together, python_module, ranks
+from background import background
+from helpers import check, compose_config
+from launchers import python_module, torchrun
 
 COLUMNS = ["algo", "backend", "world_size", "dtype", "bytes", "time_us", "algbw_GBps",
            "busbw_GBps", "wrong"]
 
 
-@launch_together("bench_allreduce", cost=12)
-def _two_gloo_ranks(run_dir):
-    return ranks(["max_bytes=32768", "factor=8", "iters=2", "warmup=1",
-                  f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.allreduce", timeout=180)
+@background(cost=15)
+def two_gloo_ranks(run_dir):
+    return torchrun(["max_bytes=32768", "factor=8", "iters=2", "warmup=1",
+                     f"hydra.run.dir={run_dir}"], module="ddp_lab.bench.allreduce",
+                    timeout=180), run_dir
 
 
-@launch_together("bench_allreduce_bad_option", cost=4)
-def _bad_option(run_dir):
+@background(cost=4)
+def bad_option(run_dir):
     return python_module(["algos=[ring,fast]", f"hydra.run.dir={run_dir}"],
                          module="ddp_lab.bench.allreduce", timeout=50)
 
 
 @pytest.mark.timeout(300)
-def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(together):
-    proc, run_dir = together["bench_allreduce"].result()
+def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(two_gloo_ranks):
+    proc, run_dir = two_gloo_ranks
     check(proc)
     rows = [json.loads(line) for line in open(run_dir / "allreduce.jsonl")]
     sizes = [8, 64, 512, 4096, 32768]
@@ -89,7 +93,6 @@ def test_config_and_size_sweep():
 
 
 @pytest.mark.timeout(300)
-def test_a_bad_option_is_one_line_and_exit_2(together):
-    proc, _ = together["bench_allreduce_bad_option"].result()
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip() == "error: algos: 'fast' is not one of naive, ring, tree, native"
+def test_a_bad_option_is_one_line_and_exit_2(bad_option):
+    assert bad_option.returncode == 2, bad_option.stderr[-2000:]
+    assert bad_option.stderr.strip() == "error: algos: 'fast' is not one of naive, ring, tree, native"

@@ -7,7 +7,8 @@ import pytest
 from ddp_lab.bench.common import plot_lines, time_fn
 from ddp_lab.perf.collectives import bus_bandwidth, cost
 from ddp_lab.tables import format_table, write_rows
-from helpers import launch_together, run_cmd
+from background import background
+from launchers import REPO, run_cmd
 
 
 def test_time_fn_returns_median_of_calls():
@@ -44,27 +45,26 @@ def test_cost_shapes():
     assert algbw == 2e9 and busbw == pytest.approx(3e9)
 
 
-@launch_together("plot_results", cost=5)
-def _plot_results(out):
+@background(cost=5)
+def plot_results(out):
     """scripts/plot_results.py on a copy of the committed H200 outputs (PNGs left out)."""
     import glob
     import shutil
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (out / "r").mkdir()
     for pattern in ("h200-loop-vs-bare/loop_vs_bare_*.csv",
                     "h200-real-vs-synthetic/train_*_g*.json"):
-        for path in glob.glob(os.path.join(root, "docs", "results", pattern)):
+        for path in glob.glob(os.path.join(REPO, "docs", "results", pattern)):
             shutil.copy(path, out / "r")
-    return run_cmd([sys.executable, os.path.join(root, "scripts", "plot_results.py"),
-                    str(out / "r")], 120)
+    return run_cmd([sys.executable, os.path.join(REPO, "scripts", "plot_results.py"),
+                    str(out / "r")], 120), out
 
 
-def test_plot_results_draws_both_plots_from_the_recorded_device_outputs(together):
+def test_plot_results_draws_both_plots_from_the_recorded_device_outputs(plot_results):
     """scripts/plot_results.py on a copy of the committed H200 outputs: both PNGs, one bar
     group per row of the benchmark CSVs."""
-    proc, out = together["plot_results"].result()
+    proc, out = plot_results
     assert proc.returncode == 0, proc.stderr
     for name in ("loop_vs_bare.png", "real_vs_synthetic.png"):
         assert (out / "r" / name).stat().st_size > 10_000

@@ -8,28 +8,28 @@ import pytest
 import torch
 
 from ddp_lab.bench import gemm
-from helpers import bench_rows, launch_together, python_module, ranks
+from background import background
+from helpers import bench_rows
+from launchers import python_module, ranks
 
 
-@launch_together("bench_gemm", cost=5)
-def _gemm(out):
+@background(cost=5)
+def gemm_on_the_cpu(out):
     return ranks(["device=cpu", "cpu_sizes=[64,96]", "cpu_dtypes=[fp32,tf32,bf16]",
                   "numpy_compare=true", "numpy_n=128", "numpy_single_thread_n=64",
                   "plot=true", f"hydra.run.dir={out}"], nproc=0, module="ddp_lab.bench.gemm",
-                 timeout=120)
+                 timeout=120), out
 
 
-def _gemm_cuda(_):
+@background(cost=4)
+def gemm_cuda_without_a_gpu(_):
+    """Launched only where its test runs: without a GPU (background.py skips a skipped test's)."""
     return python_module(["device=cuda"], module="ddp_lab.bench.gemm", timeout=60)
 
 
-if not torch.cuda.is_available():  # (its test checks the no-GPU error)
-    launch_together("bench_gemm_cuda", cost=4)(_gemm_cuda)
-
-
 @pytest.fixture(scope="module")
-def run_dir(together):
-    proc, out = together["bench_gemm"].result()
+def run_dir(gemm_on_the_cpu):
+    proc, out = gemm_on_the_cpu
     bench_rows(proc, out, "gemm")  # printed, written and drawn
     return out
 
@@ -67,6 +67,6 @@ def test_float64_check_catches_a_wrong_result():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
-def test_cuda_without_a_gpu_is_one_clear_line(together):
-    proc, _ = together["bench_gemm_cuda"].result()
+def test_cuda_without_a_gpu_is_one_clear_line(gemm_cuda_without_a_gpu):
+    proc = gemm_cuda_without_a_gpu
     assert proc.returncode == 2 and "error: device=cuda" in proc.stderr

@@ -6,33 +6,36 @@ import json
 import pytest
 
 from ddp_lab.bench.memory_fit import fit_rows
-from helpers import bench_rows, check, launch_together, ranks
+from background import background
+from helpers import bench_rows, check
+from launchers import ranks
 
 
 def memory_fit(args: list[str], run_dir, timeout: float):
+    """(the finished process, run_dir)"""
     return ranks(args + [f"hydra.run.dir={run_dir}"], nproc=0, module="ddp_lab.bench.memory_fit",
-                 timeout=timeout)
+                 timeout=timeout), run_dir
 
 
-@launch_together("memory_fit_seed_table", cost=4)
-def _seed_table(run_dir):
+@background(cost=4)
+def seed_table(run_dir):
     return memory_fit(["params=[1e9]", "plot=true"], run_dir, timeout=120)
 
 
-@launch_together("memory_fit_measured", cost=20)
-def _measured(run_dir):
+@background(cost=20)
+def measured(run_dir):
     return memory_fit(["models=[resnet50]", "measure=true", "device=cpu",
                        "measure_model=alexnet_cifar", "measure_batch=4", "measure_steps=1",
                        "measure_precisions=[fp32]", "measure_zero=[0,2]"], run_dir, timeout=180)
 
 
-@launch_together("memory_fit_bad_zero_stage", cost=4)
-def _bad_zero_stage(run_dir):
+@background(cost=4)
+def bad_zero_stage(run_dir):
     return memory_fit(["measure_zero=[3]"], run_dir, timeout=60)
 
 
-@launch_together("memory_fit_unknown", cost=5)
-def _unknown(run_dir):
+@background(cost=5)
+def unknown_model(run_dir):
     return memory_fit(["models=[no_such_net]"], run_dir, timeout=60)
 
 
@@ -40,8 +43,8 @@ def load(path):
     return [json.loads(line) for line in open(path)]
 
 
-def test_seed_table_and_a_raw_count(together):
-    proc, run_dir = together["memory_fit_seed_table"].result()
+def test_seed_table_and_a_raw_count(seed_table):
+    proc, run_dir = seed_table
     bench_rows(proc, run_dir, "memory_fit")
     bench_rows(proc, run_dir, "seed_table", plot=False)
     zero = {r["stage"]: r for r in bench_rows(proc, run_dir, "zero", plot=False)
@@ -71,8 +74,8 @@ def test_gpu_count_depends_on_gpu_size():
     assert sgd["fp32_train"]["total_gb"] == 12
 
 
-def test_torchvision_model_and_predicted_memory_on_cpu(together):
-    proc, run_dir = together["memory_fit_measured"].result()
+def test_torchvision_model_and_predicted_memory_on_cpu(measured):
+    proc, run_dir = measured
     check(proc)
     rows = load(run_dir / "memory_fit.jsonl")
     assert rows[0]["params_b"] == pytest.approx(25_557_032 / 1e9)
@@ -95,13 +98,13 @@ def test_torchvision_model_and_predicted_memory_on_cpu(together):
         "pred_held_gb"]
 
 
-def test_unknown_model_is_one_clear_line(together):
-    proc, _ = together["memory_fit_unknown"].result()
+def test_unknown_model_is_one_clear_line(unknown_model):
+    proc, _ = unknown_model
     assert proc.returncode == 2 and "unknown model 'no_such_net'" in proc.stderr
 
 
-def test_a_zero_stage_that_cannot_train_is_refused_up_front(together):
-    proc, run_dir = together["memory_fit_bad_zero_stage"].result()
+def test_a_zero_stage_that_cannot_train_is_refused_up_front(bad_zero_stage):
+    proc, run_dir = bad_zero_stage
     assert proc.returncode == 2 and "measure_zero=[3]: stages are 0, 1, 2" in proc.stderr
     assert "Traceback" not in proc.stderr and not (run_dir / "memory_fit.jsonl").exists()
 

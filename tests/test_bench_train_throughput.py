@@ -8,16 +8,18 @@ import pytest
 
 from ddp_lab.bench.kernels import is_tensor_core_kernel
 from ddp_lab.bench.train_throughput import paired_ratios
-from helpers import bench_rows, launch_together, ranks
+from background import background
+from helpers import bench_rows
+from launchers import ranks
 
 
-@launch_together("bench_train_throughput", cost=21)
-def _tiny_cpu_case(run_dir):
+@background(cost=21)
+def tiny_cpu_case(run_dir):
     return ranks(["device=cpu", "cpu_net=alexnet_cifar", "cpu_batches=[8]", "cpu_steps=3",
                   "cpu_warmup=1", "cpu_precisions=[fp32]", "channels_last=[false]",
                   "profile=true", "profile_steps=1", "plot=true",
                   f"hydra.run.dir={run_dir}"], nproc=0, module="ddp_lab.bench.train_throughput",
-                 timeout=240)
+                 timeout=240), run_dir
 
 
 # GEMM peaks as ddp_lab.bench.gemm writes them: the CPU's best fp32 is 3.0 TFLOP/s
@@ -27,8 +29,8 @@ GEMM_ROWS = [{"device": "cpu", "dtype": "fp32", "n": 1024, "tflops": 2.0, "ok": 
              {"device": "cuda", "dtype": "fp32", "n": 4096, "tflops": 50.0, "ok": True}]
 
 
-@launch_together("bench_train_throughput_digits", cost=25)
-def _digits_case(run_dir):
+@background(cost=25)
+def digits_case(run_dir):
     # batch 256: an epoch of digits is 5 steps, so the 7 steps cross one; a classifier 512 wide
     # (helpers.SMALL's) in both loops, as this is not a measurement
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -39,14 +41,14 @@ def _digits_case(run_dir):
                   "predict_memory=false",
                   "ddp_overrides=['data=digits','model.fc_width=512']",
                   f"gemm_results={gemm}", f"hydra.run.dir={run_dir}"],
-                 nproc=0, module="ddp_lab.bench.train_throughput", timeout=240)
+                 nproc=0, module="ddp_lab.bench.train_throughput", timeout=240), run_dir
 
 
-def test_real_data_rows_time_every_step_across_epochs(together):
+def test_real_data_rows_time_every_step_across_epochs(digits_case):
     """ddp_overrides=[data=digits]: the loop trains on digits (the bare loop stays on its own
     tensors) and every asked step is timed, across epoch ends: one checkpoint, at the end. MFU
     against the GEMM peak measured on this run's device (gemm_results=)."""
-    proc, run_dir = together["bench_train_throughput_digits"].result()
+    proc, run_dir = digits_case
     [r] = bench_rows(proc, run_dir, "train_throughput", plot=False)
     assert r["ok"] and r["steps"] == 6
     assert r["mfu_gemm"] == pytest.approx(r["ddp_tflops"] / 3.0)
@@ -58,8 +60,8 @@ def test_real_data_rows_time_every_step_across_epochs(together):
     assert len(saves) == 1 and "step 7:" in saves[0], saves  # not one at the epoch's end (5)
 
 
-def test_tiny_cpu_case_writes_both_loops(together):
-    proc, run_dir = together["bench_train_throughput"].result()
+def test_tiny_cpu_case_writes_both_loops(tiny_cpu_case):
+    proc, run_dir = tiny_cpu_case
     rows = bench_rows(proc, run_dir, "train_throughput")
     assert len(rows) == 1
     r = rows[0]

@@ -5,18 +5,20 @@ import json
 import pytest
 
 from ddp_lab.bench.vector_add import VectorAddConfig, crossover, size_list
-from helpers import bench_rows, launch_together, ranks
+from background import background
+from helpers import bench_rows
+from launchers import ranks
 
 
-@launch_together("bench_vector_add", cost=6)
-def _vector_add(run_dir):
+@background(cost=6)
+def vector_add(run_dir):
     return ranks(["device=cpu", "sizes=[1000,100000]", "iters=2", "plot=true",
                   f"hydra.run.dir={run_dir}"], nproc=0, module="ddp_lab.bench.vector_add",
-                 timeout=120)
+                 timeout=120), run_dir
 
 
-def test_cli_rows_are_consistent(together):
-    proc, run_dir = together["bench_vector_add"].result()
+def test_cli_rows_are_consistent(vector_add):
+    proc, run_dir = vector_add
     rows = bench_rows(proc, run_dir, "vector_add")
     assert [r["n"] for r in rows] == [1000, 100000]
     for r in rows:

@@ -1,11 +1,12 @@
 """Bad input: one clear message, a non-zero exit, no traceback from inside our code or torch.
 
-Every launch here needs nothing but a directory: they run with the other launches of
-helpers.TOGETHER (conftest.py's `together`), and each test reads its own."""
+Every launch here needs nothing but a directory: each is a background fixture (tests/README.md),
+and each test reads its own."""
 
 import pytest
 
-from helpers import launch_together, python_module, torchrun
+from background import background
+from launchers import python_module, torchrun
 
 BAD_CONFIGS = [  # (args, needle, exit code)
     (["model=resnet"], "Available options in 'model'", 1),  # Hydra's own message lists choices
@@ -17,28 +18,26 @@ BAD_CONFIGS = [  # (args, needle, exit code)
 ]
 
 
-def _bad_config(args):
-    return lambda run_dir: python_module(args + [f"hydra.run.dir={run_dir}"], timeout=120)
+@background(cost=5, keys=range(len(BAD_CONFIGS)))
+def bad_config(i, run_dir):
+    """BAD_CONFIGS[i], launched."""
+    return python_module(BAD_CONFIGS[i][0] + [f"hydra.run.dir={run_dir}"], timeout=120)
 
 
-for _i, (_args, _, _) in enumerate(BAD_CONFIGS):
-    launch_together(f"cli_bad_config_{_i}", cost=5)(_bad_config(_args))
-
-
-@launch_together("cli_nccl", cost=5)
-def _nccl_without_gpus(run_dir):
+@background(cost=5)
+def nccl_without_gpus(run_dir):
     return python_module(["dist.backend=nccl", f"hydra.run.dir={run_dir}"], timeout=120,
                          extra_env={"CUDA_VISIBLE_DEVICES": ""})
 
 
-@launch_together("cli_world_size", cost=10)
-def _world_size_larger_than_the_data(run_dir):
+@background(cost=10)
+def world_size_larger_than_the_data(run_dir):
     return torchrun(["data=synthetic", "data.num_samples=12", "train.batch_size=8",
                      f"hydra.run.dir={run_dir}"], nproc=2, timeout=120)
 
 
-@launch_together("cli_multirun", cost=9)
-def _multirun_inside_torchrun(run_dir):
+@background(cost=9)
+def multirun_inside_torchrun(run_dir):
     return torchrun(["--multirun", "seed=0,1", f"hydra.sweep.dir={run_dir}"], nproc=1, timeout=120)
 
 
@@ -49,26 +48,26 @@ def assert_clean_failure(proc, needle: str, code: int = 2):
 
 
 @pytest.mark.parametrize("args, needle, code", BAD_CONFIGS)
-def test_bad_config_fails_clearly(args, needle, code, together):
-    proc, _ = together[f"cli_bad_config_{BAD_CONFIGS.index((args, needle, code))}"].result()
+def test_bad_config_fails_clearly(args, needle, code, bad_config):
+    proc = bad_config[BAD_CONFIGS.index((args, needle, code))]
     assert_clean_failure(proc, needle, code)
     assert "Traceback" not in proc.stderr
 
 
-def test_nccl_without_gpus_suggests_gloo(together):
-    proc, _ = together["cli_nccl"].result()
+def test_nccl_without_gpus_suggests_gloo(nccl_without_gpus):
+    proc = nccl_without_gpus
     assert_clean_failure(proc, "dist.backend=gloo")
     assert "Traceback" not in proc.stderr
 
 
-def test_world_size_larger_than_the_data(together):
-    proc, _ = together["cli_world_size"].result()
+def test_world_size_larger_than_the_data(world_size_larger_than_the_data):
+    proc = world_size_larger_than_the_data
     assert proc.returncode != 0
     assert "fewer than one step needs" in proc.stderr
     assert 'ddp_lab/' not in proc.stderr.split("error:")[0]  # no traceback through our code
 
 
-def test_multirun_inside_torchrun_is_refused(together):
-    proc, _ = together["cli_multirun"].result()
+def test_multirun_inside_torchrun_is_refused(multirun_inside_torchrun):
+    proc = multirun_inside_torchrun
     assert proc.returncode != 0
     assert "--multirun inside torchrun" in proc.stderr

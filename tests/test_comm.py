@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab import comm
-from spawn_helpers import spawn
+from launchers import spawn
 
 ALGOS = ("naive", "ring", "tree")
 # The ring's slicing (SLICE_BYTES, MIN_SLICE_BYTES) for a case; None: as it runs by default.

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab import comm
-from spawn_helpers import spawn
+from launchers import spawn
 from test_comm import (BITS, DTYPES, EPS, SMALL_SLICES, _gen, expected_tree, ring_slice_sizes,
                        ring_slices, shapes, split_sizes)
 

@@ -9,7 +9,9 @@ import torch
 from ddp_lab.config import check_steps_reachable, validate
 from ddp_lab.errors import ConfigError
 from ddp_lab.models import MODELS, STEMS, build_model
-from helpers import compose_config, launch_together, python_module
+from background import background
+from helpers import compose_config
+from launchers import python_module
 
 REFUSED = [  # (overrides, what the message says)
     # non-finite floats: `> 0` refused nan only because nan fails every comparison; inf passed
@@ -170,15 +172,17 @@ def test_image_sizes_are_what_the_models_take(name, stem):
 
 LAUNCHED = {"audit_image_size": ["model.image_size=16"],
             "audit_betas": ["optim=adamw", "optim.betas=[0.9]"]}
-for _name, _args in LAUNCHED.items():
-    launch_together(_name, cost=5)(
-        lambda run_dir, a=_args: python_module(a + [f"hydra.run.dir={run_dir}"], timeout=120))
+
+
+@background(cost=5, keys=LAUNCHED)
+def refused(name, run_dir):
+    return python_module(LAUNCHED[name] + [f"hydra.run.dir={run_dir}"], timeout=120), run_dir
 
 
 @pytest.mark.parametrize("name, key", [("audit_image_size", "model.image_size=16"),
                                        ("audit_betas", "optim.betas=[0.9]")])
-def test_refused_from_the_command_line_in_one_line(together, name, key):
-    proc, run_dir = together[name].result()
+def test_refused_from_the_command_line_in_one_line(refused, name, key):
+    proc, run_dir = refused[name]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith(f"error: {key}"), proc.stderr[-3000:]

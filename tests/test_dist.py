@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from helpers import check, launch_together, run_cmd
+from background import background
+from helpers import check
+from launchers import run_cmd
 
 # A lone process (world size 1, gloo) trains a few steps through ddp_lab.train.train and prints
 # the names of the threads still alive after it returned (or raised, the exception still held,
@@ -34,21 +36,23 @@ RUNS = {  # id: (overrides, whether the run fails)
     "ddp-failed": (["sync=ddp", "train.nonfinite=stop", "fault.nan_at_step=2",
                     "fault.nan_rank=0"], True),
 }
-for _id, (_overrides, _) in RUNS.items():  # with the other launches (conftest's `together`)
-    launch_together(f"dist_threads_{_id}", cost=7)(
-        lambda run_dir, o=_overrides: run_cmd([sys.executable, "-c", _RUN, str(run_dir), *o],
-                                              timeout=120))
+
+
+@background(cost=7, keys=RUNS)
+def lone_process(run, run_dir):
+    """_RUN with RUNS[run]'s overrides, finished."""
+    return run_cmd([sys.executable, "-c", _RUN, str(run_dir), *RUNS[run][0]], timeout=120)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 @pytest.mark.parametrize("run", list(RUNS))
-def test_after_a_run_no_gloo_thread_is_left(together, run):
+def test_after_a_run_no_gloo_thread_is_left(lone_process, run):
     """A group left alive by cleanup() keeps gloo's worker threads running into interpreter
     shutdown, where one that frees a finished collective's tensors takes the GIL and aborts the
     process (SIGABRT after a successful run: a CI failure seen on test_faults). Held alive by
     torch._dynamo imported after the group (the first optimizer imports it), or by a failed run's
     traceback (DDP in its frames)."""
-    proc, _ = together[f"dist_threads_{run}"].result()
+    proc = lone_process[run]
     check(proc)
     fails = RUNS[run][1]
     assert ("stopping (train.nonfinite=stop)" in proc.stdout) == fails, proc.stderr[-3000:]

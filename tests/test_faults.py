@@ -5,28 +5,23 @@ and the rank), non-finite losses (fp16: the scaler skips on every rank; fp32: sk
 stop, never a NaN in a checkpoint), a diverged replica (stopped, ranks named)."""
 
 import json
-import os
-from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from ddp_lab import guard
-from helpers import check, launch_together, summary
+from background import background
+from helpers import check, summary
+from launchers import ranks, torchrun
 from reliab_helpers import (NO_DROPOUT, RESUME, SYNC_NAMES, SYNCS, assert_same_training_state,
-                            ckpt, launch, train_log)
+                            ckpt, train_log)
 
 
 # Each fault below needs one launch, and nothing from the others but the uninterrupted reference
-# (reliab_helpers.make_reference): they run with the other launches of helpers.TOGETHER
-# in the background (conftest.py's `launches`); a hung run waits mostly idle for its timeout.
+# (conftest.py's `uninterrupted`): they are background launches (tests/README.md); a hung run
+# waits mostly idle for its timeout.
 KILLED = RESUME + ["sync=ddp", "train.checkpoint_every=2", "fault.kill_rank=1", "fault.at_step=5"]
-# A fault that ends or restarts the job runs under torchrun itself (not helpers.ranks): how its
-# agent ends, restarts and reports the job is part of what these tests check. The non-finite steps
-# that training skips end normally: they run as every other test of what a run computes.
-TORCHRUN = ["--standalone", "--nproc_per_node=2"]
-RESTARTABLE = TORCHRUN + ["--max-restarts=1"]
 HANG_TIMEOUT_S = 10
 HUNG = {sync: NO_DROPOUT + [f"sync={sync}", "train.max_steps=4", f"dist.timeout_s={HANG_TIMEOUT_S}",
                             "fault.hang_rank=1", "fault.at_step=3", "fault.hang_s=150"]
@@ -42,36 +37,45 @@ FP16_INF = [a for a in NO_DROPOUT if not a.startswith("train.batch_size=")] + [
     "precision.init_scale=1024", "fault.nan_at_step=2", "fault.nan_rank=1", "fault.nan_value=inf"]
 DIVERGED = NO_DROPOUT + ["sync=ddp", "train.max_steps=4", "train.consistency_every=1",
                          "train.checkpoint_every=1", "fault.perturb_rank=1", "fault.at_step=2"]
-# name: (overrides, launch timeout, torchrun's arguments or None for helpers.ranks, about how
-# many seconds it takes alone)
-FAULTS = {"killed": (KILLED, 240, RESTARTABLE, 60),
-          **{f"hung_{sync}": (HUNG[sync], 150, TORCHRUN, 30) for sync in SYNC_NAMES},
-          "nan_skipped": (NAN_SKIPPED, 180, None, 20), "nan_stop": (NAN_STOP, 180, TORCHRUN, 20),
-          "fp16_inf": (FP16_INF, 180, None, 40), "diverged": (DIVERGED, 180, TORCHRUN, 20)}
 
 
-def _launch_fault(args, timeout, launcher, run_dir):
-    return launch(args + [f"hydra.run.dir={run_dir}"], timeout=timeout, launcher=launcher)
+def restartable(args, timeout):
+    """torchrun, restarting a failed group once."""
+    return torchrun(args, timeout=timeout,
+                    launcher_args=["--standalone", "--nproc_per_node=2", "--max-restarts=1"])
 
 
-for _name, (_args, _timeout, _launcher, _cost) in FAULTS.items():
-    launch_together(f"fault_{_name}", _cost)(partial(_launch_fault, _args, _timeout, _launcher))
+# name: (overrides, launch timeout, launcher, about how many seconds it takes alone). A fault that
+# ends or restarts the job runs under torchrun itself (not forked ranks): how its agent ends,
+# restarts and reports the job is part of what these tests check. The non-finite steps that
+# training skips end normally: they run as every other test of what a run computes.
+FAULTS = {"killed": (KILLED, 240, restartable, 60),
+          **{f"hung_{sync}": (HUNG[sync], 150, torchrun, 30) for sync in SYNC_NAMES},
+          "nan_skipped": (NAN_SKIPPED, 180, ranks, 20), "nan_stop": (NAN_STOP, 180, torchrun, 20),
+          "fp16_inf": (FP16_INF, 180, ranks, 40), "diverged": (DIVERGED, 180, torchrun, 20)}
+
+
+@background(cost=lambda name: FAULTS[name][3], keys=FAULTS)
+def fault(name, run_dir):
+    """(the finished launch, run_dir) of FAULTS[name]."""
+    args, timeout, launcher, _ = FAULTS[name]
+    return launcher(args + [f"hydra.run.dir={run_dir}"], timeout=timeout), run_dir
 
 
 @pytest.mark.timeout(300)
-def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(together):
-    proc, run = together["fault_killed"].result()
+def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(fault, uninterrupted):
+    proc, run = fault["killed"]
     check(proc)
     assert "fault: killing rank 1 (SIGKILL) at step 5" in proc.stderr
     assert proc.stderr.count("fault: killing") == 1  # the restarted attempt runs clean
     assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
-    assert_same_training_state(run, together["reference_ddp"].result()[0])
+    assert_same_training_state(run, uninterrupted["ddp"])
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sync", SYNCS)
-def test_hung_rank_fails_the_job_within_the_timeout_naming_collective_and_rank(sync, together):
-    proc, _ = together[f"fault_hung_{sync}"].result()
+def test_hung_rank_fails_the_job_within_the_timeout_naming_collective_and_rank(sync, fault):
+    proc, _ = fault[f"hung_{sync}"]
     # rank 1 would sleep 150 s: ending well before proves rank 0 gave up and torchrun ended it
     assert proc.returncode != 0
     assert proc.elapsed < 90, proc.elapsed
@@ -86,11 +90,11 @@ def test_hung_rank_fails_the_job_within_the_timeout_naming_collective_and_rank(s
 
 
 @pytest.mark.timeout(300)
-def test_fp32_nonfinite_step_is_skipped_on_every_rank(together):
+def test_fp32_nonfinite_step_is_skipped_on_every_rank(fault):
     """NaN logits on rank 1 only at step 2: both ranks skip step 2 (an all-reduced decision),
     and the skip is a true no-op: parameters and momentum after step 2 equal those after step 1
     (that training moves them at all is test_train's and test_resume's business)."""
-    proc, run = together["fault_nan_skipped"].result()
+    proc, run = fault["nan_skipped"]
     check(proc)
     s = summary(run)
     assert s["nonfinite_skipped_steps"] == 1 and s["rank_nonfinite_skipped_steps"] == [[2], [2]]
@@ -108,8 +112,8 @@ def test_fp32_nonfinite_step_is_skipped_on_every_rank(together):
 
 
 @pytest.mark.timeout(300)
-def test_fp32_nonfinite_stop_policy_fails_clearly_and_keeps_a_finite_checkpoint(together):
-    proc, run = together["fault_nan_stop"].result()
+def test_fp32_nonfinite_stop_policy_fails_clearly_and_keeps_a_finite_checkpoint(fault):
+    proc, run = fault["nan_stop"]
     assert proc.returncode != 0
     assert ("error: step 3: non-finite loss on rank(s) [1]; non-finite gradients on rank(s) "
             "[0, 1]; stopping (train.nonfinite=stop)") in proc.stderr
@@ -120,8 +124,8 @@ def test_fp32_nonfinite_stop_policy_fails_clearly_and_keeps_a_finite_checkpoint(
 
 
 @pytest.mark.timeout(300)
-def test_fp16_inf_is_skipped_by_the_scaler_on_every_rank_and_the_scale_halved(together):
-    proc, run = together["fault_fp16_inf"].result()
+def test_fp16_inf_is_skipped_by_the_scaler_on_every_rank_and_the_scale_halved(fault):
+    proc, run = fault["fp16_inf"]
     check(proc)
     s = summary(run)
     assert s["precision"] == "fp16" and s["rank_nonfinite_skipped_steps"] == [[2], [2]]
@@ -135,9 +139,9 @@ def test_fp16_inf_is_skipped_by_the_scaler_on_every_rank_and_the_scale_halved(to
 
 
 @pytest.mark.timeout(300)
-def test_diverged_replica_stops_training_naming_the_rank(together):
+def test_diverged_replica_stops_training_naming_the_rank(fault):
     """Rank 1's first parameter moves by one ulp before step 2; the checksum after step 2 sees it."""
-    proc, run = together["fault_diverged"].result()
+    proc, run = fault["diverged"]
     assert proc.returncode != 0
     assert "error: replicas diverged by step 2: rank(s) [1] differ from rank(s) [0]" in proc.stderr
     assert ckpt(run / "checkpoint.pt")["step"] == 1  # the diverged step was not saved

@@ -6,7 +6,8 @@ import json
 import os
 import sys
 
-from helpers import REPO, launch_together, run_cmd
+from background import background
+from launchers import REPO, run_cmd
 
 SCRIPT = os.path.join(REPO, "scripts", "gpu_bench.sh")
 
@@ -21,18 +22,19 @@ def test_an_unknown_step_name_is_refused_before_anything_runs(tmp_path):
     assert "no step named 'gemmm'" in proc.stdout and not (tmp_path / "steps.tsv").exists()
 
 
-@launch_together("gpu_bench_only_train_cifar", cost=30)
-def _only_train_cifar_over_stale_results(out):
+@background(cost=30)
+def only_train_cifar_over_stale_results(out):
     stale = out / "train_stem"
     stale.mkdir()
     (stale / "train_throughput.jsonl").write_text(json.dumps({"model": "stale_model_row"}) + "\n")
-    return run_bench(out, ONLY="train_cifar")
+    return run_bench(out, ONLY="train_cifar"), out
 
 
-def test_only_runs_the_named_step_and_the_summary_ignores_stale_results(together):
-    """A stale train_stem result is left in the output folder, then ONLY=train_cifar runs (with
-    the other launches of helpers.TOGETHER: conftest.py's `together`)."""
-    proc, out = together["gpu_bench_only_train_cifar"].result()
+def test_only_runs_the_named_step_and_the_summary_ignores_stale_results(
+        only_train_cifar_over_stale_results):
+    """A stale train_stem result is left in the output folder, then ONLY=train_cifar runs (in the
+    background, with the other launches)."""
+    proc, out = only_train_cifar_over_stale_results
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     steps = dict(line.split("\t")[:2] for line in (out / "steps.tsv").read_text().splitlines())
     assert steps.pop("train_cifar") == "ok"

@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
-from helpers import REPO, launch_together, run_cmd
+from background import background
+from launchers import REPO, run_cmd
 
 SCRIPT = os.path.join(REPO, "scripts", "loop_overhead.sh")
 
 
-@launch_together("loop_overhead_script", cost=40)
-def _this_tree_a_missing_tree_and_a_variant(out):
+@background(cost=40)
+def this_tree_a_missing_tree_and_a_variant(out):
     (out / "summary.txt").write_text("an earlier invocation's row\n")
     (out / "tree2_1.jsonl").write_text('{"ratio_paired": 0.5}\n')  # stale: must not be shown
     # run from `out`, every path relative to it: this repo as a tree, a missing tree, the dirs
@@ -26,12 +27,12 @@ def _this_tree_a_missing_tree_and_a_variant(out):
         REPEATS="1", HOST_COSTS="0",
         EXTRA="cpu_batches=[4] cpu_steps=1 cpu_warmup=1 cpu_precisions=[fp32] "
               "channels_last=[false] predict_memory=false",
-        VARIANTS="train.nonfinite=off train.consistency_every=3;"))  # (an empty variant: no row)
+        VARIANTS="train.nonfinite=off train.consistency_every=3;")), out  # (empty variant: no row)
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
-def test_rows_for_this_tree_another_tree_and_a_variant(together):
-    proc, out = together["loop_overhead_script"].result()
+def test_rows_for_this_tree_another_tree_and_a_variant(this_tree_a_missing_tree_and_a_variant):
+    proc, out = this_tree_a_missing_tree_and_a_variant
     # The missing tree's run fails: the others still run, and the script exits 1 naming it.
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "failed: tree2_1" in proc.stdout.splitlines()[-1]

@@ -4,7 +4,7 @@ script itself needs a GPU)."""
 import importlib.util
 import os
 
-from helpers import REPO
+from launchers import REPO
 
 _spec = importlib.util.spec_from_file_location(
     "memory_peak", os.path.join(REPO, "scripts", "memory_peak.py"))

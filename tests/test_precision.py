@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from ddp_lab.precision import setup_precision
-from helpers import check, compose_config, launch_together, summary
-from reliab_helpers import NO_DROPOUT, launch
+from background import background
+from helpers import check, compose_config, summary
+from launchers import ranks
+from reliab_helpers import NO_DROPOUT
 
 
 @pytest.fixture
@@ -49,14 +51,14 @@ COMBINED = NO_DROPOUT + ["sync=ring", "precision=bf16", "train.channels_last=tru
                          "train.batch_size=2"]
 
 
-@launch_together("precision_combined", cost=25)
-def _combined(run_dir):
-    return launch(COMBINED + [f"hydra.run.dir={run_dir}"], timeout=240)
+@background(cost=25)
+def combined(run_dir):
+    return ranks(COMBINED + [f"hydra.run.dir={run_dir}"], timeout=240), run_dir
 
 
 @pytest.mark.timeout(300)
-def test_bf16_channels_last_foreach_ring_with_calibration_train_and_split_the_step(together):
-    proc, run = together["precision_combined"].result()
+def test_bf16_channels_last_foreach_ring_with_calibration_train_and_split_the_step(combined):
+    proc, run = combined
     check(proc)
     s = summary(run)
     assert s["precision"] == "bf16" and s["sync"] == "ring" and s["steps"] == 3

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from helpers import run_cmd
+from launchers import run_cmd
 
 OVERRIDES = ["model=alexnet", "sync=ring", "hydra.run.dir=/shared/runs/a b"]  # a space: quoting
 

@@ -6,7 +6,6 @@ always be loaded with weights_only=True and never runs code."""
 import os
 import random
 import shutil
-from functools import partial
 
 import numpy as np
 import pytest
@@ -15,9 +14,10 @@ import torch
 from ddp_lab import checkpoint
 from ddp_lab.config import ConfigError
 from ddp_lab.optim import lr_factor
-from helpers import check, compose_config, launch_together, summary
-from reliab_helpers import (RESUME, SYNC_NAMES, SYNCS, assert_same_training_state, ckpt, launch,
-                            train_log)
+from background import background
+from helpers import check, compose_config, summary
+from launchers import ranks
+from reliab_helpers import RESUME, SYNC_NAMES, SYNCS, assert_same_training_state, ckpt, train_log
 
 STOP = ["train.stop_at_step=4", "train.checkpoint_every=2", "train.keep_every=2"]
 AGAIN = [a for a in STOP if "stop_at_step" not in a]  # the same command without train.stop_at_step
@@ -26,26 +26,27 @@ AGAIN = [a for a in STOP if "stop_at_step" not in a]  # the same command without
 def _stop(run, sync):
     """A run stopped at step 4 (mid-epoch 1), and what it left: its summary, its files, the
     position, learning rate and RNG states in its checkpoint."""
-    check(launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + STOP))
+    check(ranks(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + STOP))
     c = ckpt(os.path.join(run, "checkpoint.pt"))
     return {"summary": summary(run), "files": set(os.listdir(run)),
             "position": (c["step"], c["epoch"], c["epoch_batch"]),
             "lr": c["scheduler"]["_last_lr"][0], "rng": c["rng"]}
 
 
-def _stop_then_again(sync, run):
+@background(cost=lambda sync: 12 if sync != "ddp" else 24, keys=SYNC_NAMES)
+def stop_then_again(sync, run):
     """`_stop`, then the same command without train.stop_at_step in its run dir: (what the stop
-    left, the second launch's result). For ddp the stopped run is first copied for
+    left, the second launch's result, the run dir). For ddp the stopped run is first copied for
     `_damage_then_resume` (test_damaged_...'s start: a stopped ddp run like this one)."""
     left = _stop(run, sync)
     if sync == "ddp":
         shutil.copytree(run, _damaged(run))
         _damage_then_resume(_damaged(run))
-    return left, launch(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + AGAIN)
+    return left, ranks(RESUME + [f"sync={sync}", f"hydra.run.dir={run}"] + AGAIN), run
 
 
 def _damaged(run):
-    """Where resume_ddp's launch copies its stopped run to damage it."""
+    """Where stop_then_again["ddp"] copies its stopped run to damage it."""
     return run.parent / f"{run.name}_damaged"
 
 
@@ -65,19 +66,14 @@ def _damage_then_resume(run):
     stale = os.path.join(run, "checkpoint.pt.tmp.12345")
     with open(stale, "wb") as f:
         f.write(b"half a checkpoint")
-    check(launch(RESUME + ["sync=ddp", f"hydra.run.dir={run}", "train.checkpoint_every=2"]))
-
-
-for _sync in SYNC_NAMES:
-    launch_together(f"resume_{_sync}", cost=12 if _sync != "ddp" else 24)(
-        partial(_stop_then_again, _sync))
+    check(ranks(RESUME + ["sync=ddp", f"hydra.run.dir={run}", "train.checkpoint_every=2"]))
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sync", SYNCS)
-def test_stop_at_step_then_rerun_equals_uninterrupted_run(sync, together):
-    ref = together[f"reference_{sync}"].result()[0]
-    (left, again), run = together[f"resume_{sync}"].result()
+def test_stop_at_step_then_rerun_equals_uninterrupted_run(sync, uninterrupted, stop_then_again):
+    ref = uninterrupted[sync]
+    left, again, run = stop_then_again[sync]
     s = left["summary"]
     assert s["steps"] == 4 and s["total_steps"] == 6 and s["stopped_early"]
     # the position: step 4 of 3-step epochs is epoch 1, batch 1; the schedule is the full run's
@@ -96,12 +92,13 @@ def test_stop_at_step_then_rerun_equals_uninterrupted_run(sync, together):
 
 
 @pytest.mark.timeout(300)
-def test_damaged_checkpoints_are_refused_and_the_previous_good_one_used(together):
+def test_damaged_checkpoints_are_refused_and_the_previous_good_one_used(uninterrupted,
+                                                                        stop_then_again):
     """checkpoint.pt with one flipped byte in tensor data (torch.load would accept it),
     checkpoint_step4.pt truncated, a temporary left by a save killed midway: the run resumes from
     checkpoint_step2.pt (mid-epoch 0) and still ends equal to the uninterrupted run."""
-    ref = together["reference_ddp"].result()[0]
-    run = _damaged(together["resume_ddp"].result()[1])
+    ref = uninterrupted["ddp"]
+    run = _damaged(stop_then_again["ddp"][2])
     latest, kept4 = os.path.join(run, "checkpoint.pt"), os.path.join(run, "checkpoint_step4.pt")
     log = train_log(run)
     assert f"refusing checkpoint {latest} is corrupted" in log

@@ -8,7 +8,9 @@ import math
 import os
 import pytest
 
-from helpers import CONF_DIR, SCALE_SWEPT, SCALE_TINY, check, launch_together, scale
+from background import background
+from ddp_lab.cli import CONF_DIR
+from helpers import SCALE_SWEPT, SCALE_TINY, check, scale
 
 from ddp_lab.perf.predict import PHASES
 
@@ -22,8 +24,8 @@ def num(x):
 
 
 # The other launches of this module (a failing sweep, a point past its timeout, a bad override,
-# emit, the simulation) need nothing but a directory: they run with the other launches of
-# helpers.TOGETHER in the background (conftest.py's `launches`), never while the sweep runs.
+# emit, the simulation) need nothing but a directory: they are background launches
+# (tests/README.md), never run while the sweep runs.
 # A missing sync (never launched), a point that fails at run time (too few samples for one step),
 # then a good point: the sweep finishes and reports all three.
 FAILING = ["nproc=[1]", "syncs=[nosuchsync,ddp]", "train.max_steps=3", "train.timing_warmup=1",
@@ -32,36 +34,33 @@ EMIT = {"torchrun": ["NNODES=2 NPROC=8", "scripts/multinode.sh", "NNODES=4"],
         "slurm": ["sbatch --nodes=2 --gpus-per-node=8", "scripts/slurm.sbatch"]}
 
 
-@launch_together("scale_failing", cost=35)
-def _failing_points(run_dir):
-    return scale(SCALE_TINY + FAILING + [f"hydra.run.dir={run_dir}"])
+@background(cost=35)
+def failing_points(run_dir):
+    return scale(SCALE_TINY + FAILING + [f"hydra.run.dir={run_dir}"]), run_dir
 
 
-@launch_together("scale_timeout", cost=8)
-def _point_past_its_timeout(run_dir):
+@background(cost=8)
+def point_past_its_timeout(run_dir):
     return scale(SCALE_TINY + ["nproc=[1]", "syncs=[ddp]", "point_timeout_s=2", "simulate=false",
-                               f"hydra.run.dir={run_dir}"], timeout=120)
+                               f"hydra.run.dir={run_dir}"], timeout=120), run_dir
 
 
-@launch_together("scale_bad_override", cost=4)
-def _bad_training_override(run_dir):
-    return scale(["train.batchsize=3", f"hydra.run.dir={run_dir}"], timeout=120)
+@background(cost=4)
+def bad_training_override(run_dir):
+    return scale(["train.batchsize=3", f"hydra.run.dir={run_dir}"], timeout=120), run_dir
 
 
-def _emit(emit):
-    return lambda run_dir: scale(["emit=" + emit, "nodes=[2,4]", "gpus_per_node=8", "syncs=[ddp]",
-                                  "model=alexnet", f"hydra.run.dir={run_dir}"], timeout=120)
+@background(cost=5, keys=EMIT)
+def emit(name, run_dir):
+    return scale(["emit=" + name, "nodes=[2,4]", "gpus_per_node=8", "syncs=[ddp]",
+                  "model=alexnet", f"hydra.run.dir={run_dir}"], timeout=120), run_dir
 
 
-for _emit_name in EMIT:
-    launch_together(f"scale_emit_{_emit_name}", cost=5)(_emit(_emit_name))
-
-
-@launch_together("scale_simulation", cost=10)
-def _simulation(run_dir):
+@background(cost=10)
+def simulation(run_dir):
     return scale(["simulate=only", "sim.world_sizes=[8,64,512]", "sim.models=[alexnet,resnet50]",
                   "sim.networks=[ib100,eth25]", "sim.network=ib100", f"hydra.run.dir={run_dir}"],
-                 timeout=180)
+                 timeout=180), run_dir
 
 
 def test_sweep_writes_consistent_csv(scale_sweep):
@@ -190,8 +189,8 @@ def test_predicted_bytes_equal_the_bytes_the_sync_sends(scale_sweep, sync):
         assert predicted == pytest.approx(2 * (2 - 1) / 2 * params * 4)
 
 
-def test_failing_points_do_not_stop_the_sweep(together):
-    proc, run_dir = together["scale_failing"].result()
+def test_failing_points_do_not_stop_the_sweep(failing_points):
+    proc, run_dir = failing_points
     check(proc)
     rows = {r["point"]: r for r in read_csv(run_dir / "scaling.csv")}
     assert rows["n1-nosuchsync-data.num_samples_4"]["status"] == "missing"
@@ -202,16 +201,16 @@ def test_failing_points_do_not_stop_the_sweep(together):
     assert "FAILED" in proc.stdout and "Points that did not run" in open(run_dir / "report.md").read()
 
 
-def test_a_point_past_its_timeout_is_stopped(together):
-    proc, run_dir = together["scale_timeout"].result()
+def test_a_point_past_its_timeout_is_stopped(point_past_its_timeout):
+    proc, run_dir = point_past_its_timeout
     check(proc)
     (row,) = read_csv(run_dir / "scaling.csv")
     assert row["status"] == "timeout" and "killed after 2 s" in row["error"]
     assert os.path.exists(run_dir / "scaling.png")
 
 
-def test_bad_training_override_fails_before_any_point(together):
-    proc, run_dir = together["scale_bad_override"].result()
+def test_bad_training_override_fails_before_any_point(bad_training_override):
+    proc, run_dir = bad_training_override
     assert proc.returncode == 2 and "batchsize" in proc.stderr
     assert not os.path.exists(run_dir / "points")
 
@@ -253,17 +252,17 @@ def test_strong_scaling_plan():
         assert "train.timing_warmup=5" in point.args and "train.timing_warmup=10" not in point.args
 
 
-@pytest.mark.parametrize("emit", list(EMIT))
-def test_emit_prints_multinode_commands(together, emit):
-    proc, run_dir = together[f"scale_emit_{emit}"].result()
+@pytest.mark.parametrize("name", list(EMIT))
+def test_emit_prints_multinode_commands(emit, name):
+    proc, run_dir = emit[name]
     check(proc)
-    for needle in EMIT[emit] + ["model=alexnet", "sync=ddp"]:
+    for needle in EMIT[name] + ["model=alexnet", "sync=ddp"]:
         assert needle in proc.stdout, proc.stdout
     assert not os.path.exists(run_dir / "points")
 
 
-def test_simulation_entry_point(together):
-    proc, run_dir = together["scale_simulation"].result()
+def test_simulation_entry_point(simulation):
+    proc, run_dir = simulation
     check(proc)
     rows = read_csv(run_dir / "simulation.csv")
     assert {r["network"] for r in rows} == {"ib100", "eth25"}

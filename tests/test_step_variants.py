@@ -5,22 +5,29 @@ import json
 import os
 import sys
 
-from helpers import REPO, check, launch_together, run_cmd
+from background import background
+from helpers import check
+from launchers import REPO, run_cmd
 
 SCRIPT = os.path.join(REPO, "scripts", "step_variants.py")
 
 
 def _run(args, out):
-    return run_cmd([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args], 240)
+    return run_cmd([sys.executable, SCRIPT, "--smoke", "--out", str(out), *args], 240), out
 
 
-launch_together("step_variants_host_costs", cost=15)(lambda out: _run(["--host-costs"], out))
-launch_together("step_variants_rounds", cost=20)(
-    lambda out: _run(["--only", "eager bf16 cl,+loop all"], out))
+@background(cost=15)
+def host_costs(out):
+    return _run(["--host-costs"], out)
 
 
-def test_host_costs_name_every_piece_of_the_loop(together):
-    proc, out = together["step_variants_host_costs"].result()
+@background(cost=20)
+def two_variants(out):
+    return _run(["--only", "eager bf16 cl,+loop all"], out)
+
+
+def test_host_costs_name_every_piece_of_the_loop(host_costs):
+    proc, out = host_costs
     check(proc)
     costs = json.load(open(out / "host_costs.json"))["us_per_call"]
     assert set(costs) == {"data", "events", "sched", "guard", "loss", "one tiny op"}
@@ -28,8 +35,8 @@ def test_host_costs_name_every_piece_of_the_loop(together):
     assert "host cost of the loop's pieces" in proc.stdout
 
 
-def test_exact_names_select_variants_timed_over_rounds(together):
-    proc, out = together["step_variants_rounds"].result()
+def test_exact_names_select_variants_timed_over_rounds(two_variants):
+    proc, out = two_variants
     check(proc)
     rows = json.load(open(out / "step_variants.json"))["rows"]
     assert [r["variant"] for r in rows] == ["eager bf16 cl", "+loop all"]  # not "... s2d" too

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spawn_helpers import spawn
+from launchers import spawn
 from test_comm import expected_bytes_sent
 
 TOL = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 2e-3}  # relative to the largest averaged grad

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spawn_helpers import spawn
+from launchers import spawn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SPIN = 50_000_000  # GPU cycles, tens of milliseconds

@@ -5,16 +5,18 @@ shared cores), so the six runs cover every algorithm with overlap on and off, an
 accumulation (2 micro-steps of 8 instead of one of 16: the same 32 samples per step) on each
 algorithm once and on each overlap mode. Two more run the model through torch.compile (Inductor
 on the CPU), under our ring with its backward hooks and under DDP: compiled, they must train
-like each other, and like the eager references up to Inductor's rounding. All start from one
-session's background launches (helpers.TOGETHER, conftest.py's `launches`). The ring-overlap run
-is traced too (train.trace=true): test_trace.py reads its timeline, which saves that module a
-launch of its own; the trace only stamps times, so the run must still match the references."""
+like each other, and like the eager references up to Inductor's rounding. All are background
+launches (tests/README.md). The ring-overlap run is traced too (train.trace=true): the trace only
+stamps times, so the run must still match the references (test_trace.py reads a timeline of its
+own)."""
 
-from functools import cache, partial
+from functools import cache
 
 import pytest
 
-from helpers import SMALL, SMALL_BUCKETS, check, final_params, launch_together, max_abs_diff, ranks, summary
+from background import background
+from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff, summary
+from launchers import ranks
 
 TOLERANCE = 1e-6
 # Compiled against eager: Inductor's CPU kernels round differently from ATen's (vectorised exp and
@@ -27,7 +29,7 @@ COMPILED_TOLERANCE = 1e-4
 RUNS = {  # id: overrides
     "naive-overlap-accum": ["sync=naive", "sync.overlap=true", "train.accum_steps=2"],
     "naive-no-overlap": ["sync=naive", "sync.overlap=false"],
-    "ring-overlap": ["sync=ring", "sync.overlap=true", "train.trace=true"],  # test_trace's too
+    "ring-overlap": ["sync=ring", "sync.overlap=true", "train.trace=true"],
     "ring-no-overlap-accum": ["sync=ring", "sync.overlap=false", "train.accum_steps=2"],
     "tree-overlap-accum": ["sync=tree", "sync.overlap=true", "train.accum_steps=2"],
     "tree-no-overlap": ["sync=tree", "sync.overlap=false"],
@@ -36,12 +38,13 @@ RUNS = {  # id: overrides
 }
 
 
-def _launch(run_dir, overrides, nproc=2):
+@background(cost=lambda run: 25 if run.endswith("-compile") else 12, keys=RUNS)
+def launched(run, run_dir):
+    """Run id of RUNS -> its run dir (2 ranks, 32 samples a step)."""
+    overrides = RUNS[run]
     accum = 2 if "train.accum_steps=2" in overrides else 1
-    batch = 32 // nproc // accum
-    check(ranks(SMALL + SMALL_BUCKETS + overrides + [f"train.batch_size={batch}",
-                                                    f"hydra.run.dir={run_dir}"],
-                 nproc=nproc, timeout=200))
+    check(ranks(SMALL + SMALL_BUCKETS + overrides + [f"train.batch_size={32 // 2 // accum}",
+                                                    f"hydra.run.dir={run_dir}"], timeout=200))
     return run_dir
 
 
@@ -54,22 +57,10 @@ def references(small_references):
             "ddp_summary": summary(ddp)}
 
 
-for _run, _overrides in RUNS.items():
-    launch_together(f"sync_train_{_run}", cost=25 if _run.endswith("-compile") else 12,
-                    used_by=("test_sync_train",) + ("test_trace",) * ("train.trace=true" in _overrides))(
-        partial(_launch, overrides=_overrides))
-
-
-@pytest.fixture(scope="module")
-def launched(together):
-    """Run id of RUNS -> its run dir, once its launch has ended (raises if it failed)."""
-    return lambda run: together[f"sync_train_{run}"].result()[0]
-
-
 @pytest.mark.timeout(280)
 @pytest.mark.parametrize("run", list(RUNS))
 def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, launched):
-    run_dir = launched(run)
+    run_dir = launched[run]
     s = summary(run_dir)
     assert s["world_size"] == 2 and s["global_batch"] == 32 and s["sync"] == run.split("-")[0]
     assert len(set(s["rank_param_digests"])) == 1, "replicas differ"
@@ -83,7 +74,7 @@ def test_our_syncs_train_exactly_like_ddp_and_one_process(run, references, launc
         assert diff < (COMPILED_TOLERANCE if compiled else TOLERANCE), \
             f"{run}: max |ours - {ref}| = {diff}"
     if compiled and run != "ddp-compile":
-        diff = max_abs_diff(final_params(launched("ddp-compile")), got)
+        diff = max_abs_diff(final_params(launched["ddp-compile"]), got)
         assert diff < TOLERANCE, f"{run}: max |ours - ddp, both compiled| = {diff}"
     # Bytes rank 0 sent per step, counted: at N=2 each algorithm sends the whole gradient once
     # (naive: to rank 1; ring: half in each phase; tree: one broadcast level), accumulation or not.

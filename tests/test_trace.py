@@ -2,9 +2,8 @@
 summary.json's overlap block. Two real ranks over gloo: our ring with overlap and small buckets
 (several per step), and torch's DDP through its comm hook; the overlap block is recomputed from
 trace.json and checked against the step breakdown, and the order of events against what the
-sync promises. The ring's run is test_sync_train.py's ring-overlap one, traced there (helpers.SMALL:
-2 ranks x 16, 3 steps, no timing warm-up, all traced; 2 MB buckets, 9 per step), which saves a
-launch; DDP's is launched here."""
+sync promises. The ring's run is as test_sync_train.py's ring-overlap one (helpers.SMALL: 2 ranks
+x 16, 3 steps, no timing warm-up, all traced; 2 MB buckets, 9 per step); DDP's is NO_DROPOUT's."""
 
 import json
 import os
@@ -12,26 +11,28 @@ import os
 import pytest
 
 from ddp_lab.trace import overlap
-from helpers import check, launch_together, summary
-from reliab_helpers import NO_DROPOUT, launch
-import test_sync_train  # noqa: F401  declares the traced ring run, sync_train_ring-overlap
+from background import background
+from helpers import SMALL, SMALL_BUCKETS, check, summary
+from launchers import ranks
+from reliab_helpers import NO_DROPOUT
 
-# 2 ranks x 8 samples, 6 steps; the timing warm-up is 1, so steps 2..6 are timed, all traced.
-TRACED = NO_DROPOUT + ["train.max_steps=6", "train.timing_warmup=1", "train.trace=true",
-                       "train.trace_steps=5", "sync.bucket_mb=4"]
-
-
-@launch_together("trace_ddp", 25)
-def _traced_ddp(run_dir):
-    check(launch(TRACED + ["sync=ddp", f"hydra.run.dir={run_dir}"], timeout=240))
-
-
-# sync -> (the launch that traced it, its traced steps: every timed one)
-SYNCS = {"ring": ("sync_train_ring-overlap", {1, 2, 3}), "ddp": ("trace_ddp", {2, 3, 4, 5, 6})}
+# sync -> (its traced run's overrides, its traced steps: every timed one). DDP: 2 ranks x 8
+# samples, 6 steps; the timing warm-up is 1, so steps 2..6 are timed, all traced.
+SYNCS = {"ring": (SMALL + SMALL_BUCKETS + ["sync=ring", "sync.overlap=true", "train.trace=true",
+                                           "train.batch_size=16"], {1, 2, 3}),
+         "ddp": (NO_DROPOUT + ["sync=ddp", "train.max_steps=6", "train.timing_warmup=1",
+                               "train.trace=true", "train.trace_steps=5", "sync.bucket_mb=4"],
+                 {2, 3, 4, 5, 6})}
 
 
-def traced(together, name):
-    _, run = together[SYNCS[name][0]].result()
+@background(cost=lambda sync: 25 if sync == "ddp" else 12, keys=SYNCS)
+def traced_run(sync, run_dir):
+    check(ranks(SYNCS[sync][0] + [f"hydra.run.dir={run_dir}"], timeout=240))
+    return run_dir
+
+
+def traced(traced_run, name):
+    run = traced_run[name]
     with open(os.path.join(run, "trace.json")) as f:
         events = json.load(f)["traceEvents"]
     return summary(run), events, run
@@ -46,8 +47,8 @@ def by_rank_and_step(events):
 
 
 @pytest.mark.parametrize("name", list(SYNCS))
-def test_every_rank_has_every_bucket_in_every_traced_step(together, name):
-    s, events, run = traced(together, name)
+def test_every_rank_has_every_bucket_in_every_traced_step(traced_run, name):
+    s, events, run = traced(traced_run, name)
     steps = by_rank_and_step(events)
     assert {rank for rank, _ in steps} == {0, 1}
     assert {step for _, step in steps} == SYNCS[name][1] == set(s["overlap"]["steps"])
@@ -63,11 +64,11 @@ def test_every_rank_has_every_bucket_in_every_traced_step(together, name):
     assert os.path.getsize(os.path.join(run, "timeline.png")) > 10_000
 
 
-def test_the_ring_keeps_the_order_the_sync_promises(together):
+def test_the_ring_keeps_the_order_the_sync_promises(traced_run):
     """Each bucket's all-reduce starts at or after its bucket_ready and after the previous
     bucket's all-reduce started; the wait ends after the last all-reduce ends; the optimizer
     starts after the wait."""
-    _, events, _ = traced(together, "ring")
+    _, events, _ = traced(traced_run, "ring")
     for (rank, step), evs in by_rank_and_step(events).items():
         ready = {e["args"]["bucket"]: e["ts"] for e in evs if e["name"] == "bucket_ready"}
         reduces = sorted((e for e in evs if e["name"] == "allreduce"),
@@ -84,8 +85,8 @@ def test_the_ring_keeps_the_order_the_sync_promises(together):
 
 
 @pytest.mark.parametrize("name", list(SYNCS))
-def test_the_overlap_block_is_what_the_trace_says(together, name):
-    s, events, _ = traced(together, name)
+def test_the_overlap_block_is_what_the_trace_says(traced_run, name):
+    s, events, _ = traced(traced_run, name)
     block, recomputed = s["overlap"], overlap(events)
     assert block.keys() == recomputed.keys()
     for key, value in recomputed.items():
@@ -94,10 +95,10 @@ def test_the_overlap_block_is_what_the_trace_says(together, name):
     assert len(block["rank_exposed_comm_ms"]) == 2
 
 
-def test_the_overlap_block_agrees_with_the_step_breakdown(together):
+def test_the_overlap_block_agrees_with_the_step_breakdown(traced_run):
     """Every timed step is traced, and both come from the same stamps: the wait is the step
     timer's `comm` phase and the all-reduce spans are the sync's busy time, step by step."""
-    s, _, _ = traced(together, "ring")
+    s, _, _ = traced(traced_run, "ring")
     # The two sums round differently: stamps are perf_counter seconds (float64, so ~1e-12 s per
     # stamp on a host up for hours), the trace keeps spans as microseconds. 1 ns is far below
     # any stamp missed or counted twice.

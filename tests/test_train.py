@@ -3,13 +3,13 @@
 import json
 import os
 import sys
-from functools import partial
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from helpers import (SMALL, SMALL_BUCKETS, check, final_params, free_port, max_abs_diff, run_cmd, run_together,
-                     summary, torchrun)
+from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff, summary
+from launchers import free_port, run_cmd, torchrun
 
 TOLERANCE = 1e-6
 
@@ -73,7 +73,7 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_referen
                                                           small_references, tmp_path):
     """Two torchrun agents (--nnodes=2, one process each) meeting at a c10d endpoint on localhost;
     the same command as the DDP reference, whose ranks forked from the test process
-    (helpers.ranks, as for every test of what a run computes): torchrun's processes must end
+    (launchers.ranks, as for every test of what a run computes): torchrun's processes must end
     bitwise where those did."""
     port = free_port()
     run_dir = tmp_path / "two_nodes"
@@ -81,10 +81,11 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_referen
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ddp_lab_test",
            "-m", "ddp_lab.train", *args]
-    # Both at once, each in a session of its own (helpers.run_cmd: killed whole on timeout, its
-    # output read as it comes, so neither blocks on a full pipe).
-    agents = run_together({node: partial(run_cmd, cmd, 240) for node in range(2)})
-    for agent in agents.values():
+    # Both at once, each in a session of its own (run_cmd: killed whole on timeout, its output
+    # read as it comes, so neither blocks on a full pipe).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        agents = [pool.submit(run_cmd, cmd, 240) for _ in range(2)]
+    for agent in agents:
         check(agent.result())
     assert summary(run_dir)["world_size"] == 2
     diff = max_abs_diff(final_params(single_process_reference), final_params(run_dir))

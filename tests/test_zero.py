@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spawn_helpers import spawn
+from launchers import spawn
 from test_sync import batch, make_model
 
 STEPS, LR, CLIP = 4, 0.05, 0.05
@@ -99,7 +99,7 @@ class _null:
 
 def packed(obj) -> bytes:
     """Tensors for the parent as bytes: tensors put on a multiprocessing queue travel as shared
-    memory, which a child that exits at once (spawn_helpers) takes with it."""
+    memory, which a child that exits at once (launchers.spawn) takes with it."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()

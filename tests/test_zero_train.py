@@ -6,17 +6,17 @@ counted against predicted, and the bytes a step sends.
 
 Tolerances as in tests/test_zero.py (whose module docstring says why): SGD within 1e-6 of every
 reference; AdamW within 2 lr a step of DDP, all but a few elements within 1e-6; resumed runs
-bitwise equal to uninterrupted ones. A torchrun launch is the slow part: all of them are among the
-session's background launches (helpers.TOGETHER, conftest.py's `launches`)."""
-
-from functools import partial
+bitwise equal to uninterrupted ones. A launch is the slow part: all of them are background
+launches (tests/README.md)."""
 
 import pytest
 import torch
 
 from ddp_lab.models import build_model
-from helpers import SMALL, SMALL_BUCKETS, check, final_params, launch_together, max_abs_diff, ranks, summary
-from reliab_helpers import RESUME, assert_same_training_state, launch, train_log
+from background import background
+from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff, summary
+from launchers import ranks
+from reliab_helpers import RESUME, assert_same_training_state, train_log
 
 TOLERANCE = 1e-6
 # fp16 convolutions are slow on CPU: small steps. Rank 0's logits are made NaN at step 2, so a
@@ -36,44 +36,35 @@ RUNS = {  # id: overrides (2 ranks x 16, helpers.SMALL)
 STOP = ["train.stop_at_step=4", "train.checkpoint_every=2"]
 
 
-def _launch(run_dir, overrides):
+@background(cost=lambda run: 20 if "fp16" in run else 10, keys=RUNS)
+def launched(run, run_dir):
+    """Run id of RUNS -> its run dir."""
+    overrides = RUNS[run]
     batch = [] if any(o.startswith("train.batch_size=") for o in overrides) else [
         "train.batch_size=16"]
-    check(ranks(SMALL + SMALL_BUCKETS + batch + overrides + [f"hydra.run.dir={run_dir}"], nproc=2,
-                 timeout=240))
+    check(ranks(SMALL + SMALL_BUCKETS + batch + overrides + [f"hydra.run.dir={run_dir}"],
+                timeout=240))
     return run_dir
 
 
-def _resume(zero, directory):
-    """Uninterrupted, stopped at step 4, then the same command again: the run dirs."""
+@background(cost=15, keys=(1, 2))
+def resumed(zero, directory):
+    """sync.zero -> (an uninterrupted run's dir, the dir of the same run stopped at step 4 and
+    then run again with the same command)."""
     args = RESUME + ["sync=ring", f"sync.zero={zero}"]
     ref, run = directory / "reference", directory / "resumed"
-    check(launch(args + ["train.checkpoint_every=6", f"hydra.run.dir={ref}"]))
-    check(launch(args + STOP + [f"hydra.run.dir={run}"]))
-    check(launch(args + STOP[1:] + [f"hydra.run.dir={run}"]))
+    check(ranks(args + ["train.checkpoint_every=6", f"hydra.run.dir={ref}"]))
+    check(ranks(args + STOP + [f"hydra.run.dir={run}"]))
+    check(ranks(args + STOP[1:] + [f"hydra.run.dir={run}"]))
     return ref, run
-
-
-for _run, _overrides in RUNS.items():
-    launch_together(f"zero_train_{_run}", cost=20 if "fp16" in _run else 10)(
-        partial(_launch, overrides=_overrides))
-for _zero in (1, 2):
-    launch_together(f"zero_train_resume-zero{_zero}", cost=15)(partial(_resume, _zero))
-
-
-@pytest.fixture(scope="module")
-def launched(together):
-    """Run id (of RUNS, or resume-zero1|2) -> what its launch returned, once it has ended (raises
-    if it failed)."""
-    return lambda run: together[f"zero_train_{run}"].result()[0]
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("run", ["ring-zero1", "ring-zero2", "naive-zero2-no-overlap-accum",
                                  "ddp-zero1"])
 def test_zero_with_sgd_trains_like_ddp_and_one_process(run, launched, small_references):
-    got = final_params(launched(run))
-    s = summary(launched(run))
+    got = final_params(launched[run])
+    s = summary(launched[run])
     assert len(set(s["rank_param_digests"])) == 1, "replicas differ"
     for ref in ("ddp", "single"):
         diff = max_abs_diff(final_params(small_references[ref]), got)
@@ -87,7 +78,7 @@ def test_zero2_with_adamw_is_close_to_ddp(launched):
     element in a flat shard against in its own parameter (a vector lane or the scalar tail: an
     FMA or not), at most a few ulp of the parameter a step. Tolerance: 4 ulp x 3 steps, per
     element, relative to the parameter (measured: 1 of 3.0 M elements apart, by 2.3e-10)."""
-    got, ref = (final_params(launched(r)) for r in ("ring-zero2-adamw", "ddp-adamw"))
+    got, ref = (final_params(launched[r]) for r in ("ring-zero2-adamw", "ddp-adamw"))
     ulp, steps = torch.finfo(torch.float32).eps, 3
     for k in ref:
         diff = (got[k].double() - ref[k].double()).abs()
@@ -100,7 +91,7 @@ def test_zero2_with_fp16_loss_scaling_trains_like_zero0(launched):
     """Step 2's NaN is skipped on every rank at both stages (the loss scaler's verdict, all-
     reduced at zero=2 where each rank sees a shard), the other steps train alike: parameters
     within 1e-6 of zero=0's and moved from the initial weights."""
-    runs = [launched(r) for r in ("ring-zero2-fp16", "ring-fp16")]
+    runs = [launched[r] for r in ("ring-zero2-fp16", "ring-fp16")]
     s = [summary(r) for r in runs]
     assert s[0]["nonfinite_skipped_steps"] == s[1]["nonfinite_skipped_steps"] >= 1
     assert s[0]["rank_nonfinite_skipped_steps"][0] == s[0]["rank_nonfinite_skipped_steps"][1]
@@ -123,7 +114,7 @@ def test_memory_counted_against_predicted(run, launched, small_references):
     on the training thread). At the end of the next backward ours still hold every parameter's
     full gradient beside the shards: that is the peak, and its excess over the prediction is
     reported, not hidden (the ZeRO-3 issue frees them). zero=0 (DDP) for scale."""
-    mem, zero, n = summary(launched(run))["memory"], int(run[-1]), 2
+    mem, zero, n = summary(launched[run])["memory"], int(run[-1]), 2
     base = summary(small_references["ddp"])["memory"]
     p = {k: v[0] for k, v in mem["predicted"].items()}  # the ring's: the same on both ranks
     assert all(v == [p[k]] * n for k, v in mem["predicted"].items())
@@ -136,7 +127,7 @@ def test_memory_counted_against_predicted(run, launched, small_references):
         assert after["grads_bytes"] == [p["params_bytes"]] * n
         assert after["comm_buffer_bytes"] == after["comm_scratch_bytes"] == [None] * n
         return
-    buckets = len(summary(launched(run))["comm"]["shard_numel"])
+    buckets = len(summary(launched[run])["comm"]["shard_numel"])
     slack = 4 * buckets  # each bucket's shard: one fp32 element more or less than 1/N
     for rank in range(n):
         assert abs(after["optimizer_state_bytes"][rank] - whole / n) <= slack
@@ -156,16 +147,16 @@ def test_zero2_sends_the_all_reduce_s_bytes_at_two_ranks(launched, small_referen
     """At N = 2 a reduce-scatter and an all-gather send half the gradient each: one
     all-reduce's bytes; zero=1 sends an all-reduce and an all-gather: 1.5 times that."""
     ddp = summary(small_references["ddp"])["comm_bytes_per_step"]
-    assert summary(launched("ring-zero2"))["comm_bytes_per_step"] == ddp
-    assert summary(launched("ring-zero1"))["comm_bytes_per_step"] * 2 == 3 * ddp
+    assert summary(launched["ring-zero2"])["comm_bytes_per_step"] == ddp
+    assert summary(launched["ring-zero1"])["comm_bytes_per_step"] * 2 == 3 * ddp
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("zero", [1, 2])
-def test_stop_and_resume_is_bitwise_the_uninterrupted_run(zero, launched):
+def test_stop_and_resume_is_bitwise_the_uninterrupted_run(zero, resumed):
     """train.stop_at_step=4, then the same command again: parameters and the (gathered,
     unsharded) optimizer state equal the uninterrupted run's bitwise."""
-    ref, run = launched(f"resume-zero{zero}")
+    ref, run = resumed[zero]
     assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
     assert_same_training_state(run, ref)
 
@@ -178,7 +169,7 @@ def test_ddp_bytes_are_counted_and_zero1_adds_its_broadcasts(launched, small_ref
     convention are the ring's per-rank bytes of that payload (comm.cost), plus the broadcasts'."""
     from ddp_lab.comm import cost
 
-    plain, zero1 = summary(small_references["ddp"]), summary(launched("ddp-zero1"))
+    plain, zero1 = summary(small_references["ddp"]), summary(launched["ddp-zero1"])
     payload = 4 * plain["parameters"]
     assert plain["comm"]["allreduce_payload_bytes"] == payload
     assert plain["comm"]["broadcast_payload_bytes"] == 0

@@ -1,4 +1,4 @@
-"""What one 2-rank test job costs, started by torchrun and by tests/helpers.ranks, side by side.
+"""What one 2-rank test job costs, started by torchrun and by tests/launchers.ranks, side by side.
 
     python docs/results/test-suite-time/launch_cost.py [rounds]   (from the repo root, machine idle)
 
@@ -17,7 +17,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from helpers import SMALL, SMALL_BUCKETS, check, final_params, ranks, torchrun  # noqa: E402
+from helpers import SMALL, SMALL_BUCKETS, check, final_params  # noqa: E402
+from launchers import ranks, torchrun  # noqa: E402
 
 ARGS = SMALL + SMALL_BUCKETS + ["sync=ddp", "train.batch_size=16"]
 
