@@ -244,3 +244,16 @@ def test_phase_legend_names_phases_the_first_point_lacks():
     names = [t.get_text() for t in ax.get_legend().get_texts()]
     plt.close(fig)
     assert "exposed_comm" in names and len(names) == len(set(names))
+
+
+def test_a_missing_fit_is_replaced_by_native_s_and_said_so():
+    """The model never substitutes silently: a sync without a fit of its own is priced with the
+    backend's native all-reduce's, and the row's note says so; DDP's own fit is native's."""
+    from ddp_lab.perf.predict import fit_for
+
+    native = fit.fit_alpha_beta(timings("native", [(0, 1e-4, 1e-9)]), 1)[("native", "gloo")]
+    fits = {("native", "gloo"): native}
+    assert fit_for(fits, "ddp", "gloo") == (native, "")
+    got, note = fit_for(fits, "ring", "gloo")
+    assert got is native and note == "priced with native's fit (none of ring on gloo)"
+    assert fit_for({}, "ring", "gloo") == (None, "")

@@ -62,9 +62,15 @@ def test_stage_bytes_and_busy_time_on_a_ring(n):
 
 
 def _point(zero, n=2):
-    return types.SimpleNamespace(
-        name=f"n{n}-ring", world_size=n, sync="ring", per_rank_batch=8, mode="weak",
-        config={"sync": {"zero": zero, "bucket_mb": 25.0}, "model": {"name": "alexnet_cifar"}})
+    """A sweep point with its resolved training config, as the sweep reads it from run_info.json."""
+    from omegaconf import OmegaConf
+
+    from helpers import compose_config
+
+    config = OmegaConf.to_container(compose_config(["sync=ring", f"sync.zero={zero}"]),
+                                    resolve=True)
+    return types.SimpleNamespace(name=f"n{n}-ring", world_size=n, sync="ring", per_rank_batch=8,
+                                 mode="weak", config=config)
 
 
 def test_a_zero_point_updates_one_shard_then_gathers():

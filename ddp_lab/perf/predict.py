@@ -40,7 +40,7 @@ name, status, sync, world_size, per_rank_batch, resolved training config and sum
 
 from __future__ import annotations
 
-from ddp_lab.buckets import DEFAULT_BUCKET_MB
+from ddp_lab.buckets import DDP_FIRST_BUCKET_MB
 from ddp_lab.dtypes import element_size
 from ddp_lab.perf.compute import profile_model
 from ddp_lab.perf.fit import Fit
@@ -56,23 +56,40 @@ def _algo(sync: str) -> str:
     return "native" if sync == "ddp" else sync
 
 
+def _setting(point, key: str):
+    """`key` ("sync.comm_dtype") of the point's resolved training config: every point the model
+    predicts has one (predict_rows says so where it does not), so nothing is assumed."""
+    group, name = key.split(".")
+    return point.config[group][name]
+
+
 def _zero(point) -> int:
-    return int(point.config.get("sync", {}).get("zero", 0) or 0)
+    return int(_setting(point, "sync.zero"))
+
+
+def fit_for(fits: dict, sync: str, backend: str) -> tuple[Fit | None, str]:
+    """The alpha-beta fit that prices `sync`'s collectives on `backend`: its own, else the
+    backend's native all-reduce's, said in the note that comes with it."""
+    own = fits.get((_algo(sync), backend))
+    if own is not None or _algo(sync) == "native":
+        return own, ""
+    native = fits.get(("native", backend))
+    return native, (f"priced with native's fit (none of {sync} on {backend})"
+                    if native is not None else "")
 
 
 def _buckets(row: dict, point, probe: Probe | None) -> list[Bucket]:
     """The point's buckets by its sync's rule, ready as the probe measured (else by FLOPs)."""
-    scfg, mcfg = point.config.get("sync", {}), point.config.get("model", {})
-    elem = element_size(scfg.get("comm_dtype", "fp32"))
+    elem = element_size(_setting(point, "sync.comm_dtype"))
     grads = probe.grads() if probe is not None else None
     if grads is None:
-        profile = profile_model(mcfg.get("name", row["model"]), mcfg.get("image_size"),
-                                    point.config.get("data", {}).get("num_classes"),
-                                    mcfg.get("fc_width", 4096))
+        profile = profile_model(_setting(point, "model.name"), _setting(point, "model.image_size"),
+                                _setting(point, "data.num_classes"),
+                                _setting(point, "model.fc_width"))
         grads = profile.gradients_in_backward_order()
     ddp = point.sync == "ddp"
-    return buckets_of(grads, elem, float(scfg.get("bucket_mb", DEFAULT_BUCKET_MB)),
-                          "ddp" if ddp else "ours", 1.0 if ddp else None)
+    return buckets_of(grads, elem, float(_setting(point, "sync.bucket_mb")),
+                      "ddp" if ddp else "ours", DDP_FIRST_BUCKET_MB if ddp else None)
 
 
 def comm_schedule(row: dict, point, fit: Fit | None, probe: Probe | None,
@@ -85,7 +102,7 @@ def comm_schedule(row: dict, point, fit: Fit | None, probe: Probe | None,
         return schedule([], backward_ms * 1e-3, None)
     measured = probe.algos.get(algo, {}) if probe is not None else {}
     local = measured.get("local_s_per_byte", 0.0) if algo != "native" else 0.0
-    overlap = bool(point.config.get("sync", {}).get("overlap", True)) or point.sync == "ddp"
+    overlap = bool(_setting(point, "sync.overlap")) or point.sync == "ddp"
     inter = probe.interference(algo) if probe is not None else NO_INTERFERENCE
     return schedule(_buckets(row, point, probe), backward_ms * 1e-3,
                         lambda nb: bucket_time_s(nb, point, fit, measured) + nb * local,
@@ -109,7 +126,7 @@ def gather_ms(row: dict, point, fit: Fit | None, probe: Probe | None) -> float:
     n = point.world_size
     if not _zero(point) or n < 2 or fit is None:
         return 0.0
-    elem = element_size(point.config.get("sync", {}).get("comm_dtype", "fp32"))
+    elem = element_size(_setting(point, "sync.comm_dtype"))
     return sum(fit.time_s(b.nbytes * 4 / elem, n, "all_gather")
                for b in _buckets(row, point, probe)) * 1e3
 
@@ -120,7 +137,7 @@ def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None
     r = point.per_rank_batch / max(1, base.get("per_rank_batch") or point.per_rank_batch)
     k = probe.k if probe is not None else (lambda phase: 1.0)
     skew = probe.skew if probe is not None else {}
-    fit = fits.get((_algo(point.sync), row["backend"])) or fits.get(("native", row["backend"]))
+    fit, _ = fit_for(fits, point.sync, row["backend"])
     native = fits.get(("native", row["backend"]))
     backward = base["backward_ms"] * r * k("backward")
     sched = comm_schedule(row, point, fit, probe, backward)
@@ -213,11 +230,14 @@ def predict_rows(rows: list[dict], points: list, fits: dict, probes: dict,
         if p.status != "ok":
             continue
         n = p.world_size
+        if not p.config:
+            row["pred_note"] = "no resolved training config (run_info.json): nothing to price"
+            continue
         row["pred_bytes_per_step"] = (bytes_per_step(
             _algo(p.sync), row["grad_bytes"], n, _zero(p),
-            4 * p.summary.get("parameters", 0)) if p.sync != "none" else 0.0)
+            4 * p.summary["parameters"]) if p.sync != "none" else 0.0)
         base = bases.get(p.name)
-        fit = fits.get((_algo(p.sync), row["backend"])) or fits.get(("native", row["backend"]))
+        fit, fit_note = fit_for(fits, p.sync, row["backend"])
         if base is None:
             row["pred_note"] = "no N=1 point"
             continue
@@ -225,8 +245,10 @@ def predict_rows(rows: list[dict], points: list, fits: dict, probes: dict,
             row["pred_note"] = f"no alpha-beta fit for {_algo(p.sync)} on {row['backend']}"
             continue
         probe = probes.get(p.name) if n > 1 else None
+        notes = [fit_note] if n > 1 and fit_note else []
         if n > 1 and probe is None:
-            row["pred_note"] = "no interference probe: none assumed"
+            notes.append("no interference probe: none assumed")
+        row["pred_note"] = "; ".join(notes)
         row.update(predict_phases(row, p, base, fits, probe))
         row.update(bandwidths(row, p, fit, probe), **probe_columns(p, probe))
         r = p.per_rank_batch / max(1, base.get("per_rank_batch") or p.per_rank_batch)
