@@ -56,11 +56,31 @@ def emit(name, run_dir):
                   "model=alexnet", f"hydra.run.dir={run_dir}"], timeout=120), run_dir
 
 
+SIMULATION_PAGE = os.path.join(os.path.dirname(CONF_DIR), "docs", "results",
+                               "h200-scaling-and-simulation")
+
+
+def published_simulation_args() -> list[str]:
+    """The overrides of the command the simulation's results page prints (its only indented
+    `python -m ddp_lab.scale simulate=only` line and those continuing it)."""
+    import shlex
+
+    with open(os.path.join(SIMULATION_PAGE, "README.md")) as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if line.strip().startswith("python -m ddp_lab.scale simulate=only"))
+    command = ""
+    for line in lines[start:]:
+        command += line.strip().rstrip("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            break
+    return shlex.split(command)[3:]  # after `python -m ddp_lab.scale`
+
+
 @background(cost=10)
 def simulation(run_dir):
-    return scale(["simulate=only", "sim.world_sizes=[8,64,512]", "sim.models=[alexnet,resnet50]",
-                  "sim.networks=[ib100,eth25]", "sim.network=ib100", f"hydra.run.dir={run_dir}"],
-                 timeout=180), run_dir
+    """The results page's own command: its figures must follow from this code."""
+    return scale(published_simulation_args() + [f"hydra.run.dir={run_dir}"], timeout=180), run_dir
 
 
 def test_sweep_writes_consistent_csv(scale_sweep):
@@ -261,12 +281,20 @@ def test_emit_prints_multinode_commands(emit, name):
     assert not os.path.exists(run_dir / "points")
 
 
-def test_simulation_entry_point(simulation):
+def test_simulation_entry_point_reproduces_its_results_page(simulation):
+    """`simulate=only` with the page's command writes the page's simulation.csv again: every
+    row, every number (the same code and inputs: the same floats), and says where each
+    model's compute came from (measured from a named file, or assumed)."""
     proc, run_dir = simulation
     check(proc)
     rows = read_csv(run_dir / "simulation.csv")
-    assert {r["network"] for r in rows} == {"ib100", "eth25"}
+    published = read_csv(os.path.join(SIMULATION_PAGE, "simulation.csv"))
+    assert rows == published
+    assert {r["network"] for r in rows} == {"ib400", "ib100", "eth25"}
     assert {r["algo"] for r in rows} == {"naive", "ring", "hring", "tree"}
+    sources = {r["model"]: r["compute_source"] for r in rows}
+    assert sources["alexnet"].startswith("measured: docs/results/h200-loop-vs-bare/")
+    assert sources["resnet50"].startswith("assumed: ")
     assert os.path.getsize(run_dir / "simulation.png") > 0
     for needle in ("naive falls below 50%", "best bucket", "Sanity", "tree < ring below"):
         assert needle in proc.stdout

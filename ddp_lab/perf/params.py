@@ -17,10 +17,16 @@ ddp_lab/perf/collectives.py.
 `Interference`: how much backward and communication slow each other while both run. Measured by
 the interference probe (ddp_lab/perf/probe.py reads its result); assumed for GPUs in the
 simulation (conf/scale.yaml's `sim.interference`).
+
+`Compute`: one GPU's training throughput for a model, what the simulation's communication has to
+hide behind; `measured_compute` reads it from a results file (a throughput benchmark's table or a
+training run's summary.json), each with the file and row it came from.
 """
 
 from __future__ import annotations
 
+import csv
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -153,3 +159,41 @@ class Interference:
 
 
 NO_INTERFERENCE = Interference()
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One GPU's training throughput for a model (img/s at `batch`), and where it comes from."""
+    img_per_s: float
+    batch: int
+    source: str
+
+
+def measured_compute(path: str, label: str | None = None) -> dict[str, Compute]:
+    """model -> its measured throughput, from one results file: a `bench.train_throughput` table
+    (train_throughput.jsonl / .csv: the ddp_lab loop's `ddp_img_s`) or a training run's
+    summary.json (`train_img_per_s`, one process). A model must have one row: which of several
+    rows is meant is not the model's to guess. `label`: how the source names the file."""
+    if path.endswith("summary.json"):
+        with open(path) as f:
+            s = json.load(f)
+        if s.get("world_size") != 1:
+            raise ValueError(f"{path}: a compute rate is one GPU's; this run had "
+                             f"{s.get('world_size')} ranks")
+        rows = [{"model": s["model"], "img_per_s": s["train_img_per_s"],
+                 "batch": s["per_rank_batch"], "what": s["precision"]}]
+    else:
+        with open(path, newline="") as f:
+            raw = ([json.loads(line) for line in f if line.strip()] if path.endswith(".jsonl")
+                   else list(csv.DictReader(f)))
+        rows = [{"model": r["model"], "img_per_s": r["ddp_img_s"], "batch": r["batch"],
+                 "what": f"{r['precision']}, channels_last={r['channels_last']}, "
+                         f"compile={r['compile']}"} for r in raw]
+    out = {}
+    for r in rows:
+        if r["model"] in out:
+            raise ValueError(f"{path}: more than one row of model {r['model']!r}: name a file "
+                             "with one row per model")
+        out[r["model"]] = Compute(float(r["img_per_s"]), int(r["batch"]),
+                                  f"measured: {label or path} ({r['what']}, batch {r['batch']})")
+    return out

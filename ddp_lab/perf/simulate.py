@@ -3,9 +3,11 @@
 numbers; ddp_lab/scale/sim_report.py prints and writes them (simulation.csv, .md, .png).
 
 Its inputs, all in conf/scale.yaml's `sim` block (the `sim` argument below):
-- single-GPU compute per step = batch_per_gpu / sim.img_per_s[model] (H100/H200-class, bf16
-  autocast), of which backward is 2/3; replaced by the sweep's own N=1 GPU measurement for a
-  model it ran (`compute_source=measured`). The optimizer step and data loading are left out.
+- single-GPU compute per step = batch_per_gpu / one GPU's img/s, of which backward is 2/3, each
+  model's from the first of: the sweep's own N=1 GPU point; `sim.img_per_s` where given on the
+  command line; a measured results file of `sim.compute_from` (by default the 224 px AlexNet row
+  of docs/results/h200-loop-vs-bare); `sim.img_per_s`'s default, assumed. Each says which
+  (`compute_source`). The optimizer step and data loading are left out.
 - networks: PRESETS in ddp_lab/perf/params.py (NVLink ~370 GB/s busbw inside a node of 8;
   400/100 Gb/s InfiniBand or 25 Gb/s Ethernet per node between nodes), or the alpha-beta fit of
   the sweep's own all-reduce timings (`measured_<backend>`, flat: no node structure).
@@ -34,7 +36,7 @@ from ddp_lab.buckets import MiB
 from ddp_lab.dtypes import element_size
 from ddp_lab.perf import memory as mem
 from ddp_lab.perf.compute import profile_model
-from ddp_lab.perf.params import (NO_INTERFERENCE, PRESETS, Interference, Network,
+from ddp_lab.perf.params import (NO_INTERFERENCE, Compute, PRESETS, Interference, Network,
                                  measured_network)
 from ddp_lab.perf.step import ZERO_OPS, predict_step
 
@@ -58,17 +60,30 @@ SANITY = [
 
 # ---- inputs: compute per model, networks, buckets, interference ------------------------------
 
-def compute_times(sim, measured: dict[str, float]) -> tuple[dict[str, float], dict[str, str]]:
-    """model -> single-GPU compute seconds per step, and where each came from (assumed from
-    sim.img_per_s, or measured: the sweep's N=1 GPU point)."""
+def compute_times(sim, swept: dict[str, float], measured: dict[str, Compute],
+                  defaults: dict[str, float]) -> tuple[dict[str, float], dict[str, str]]:
+    """model -> single-GPU compute seconds per step at sim.batch_per_gpu, and where it comes
+    from, the first of: this sweep's own N=1 GPU point (`swept`, sim.use_measured); a rate given
+    in sim.img_per_s (one that differs from `defaults`, the schema's); a results file of
+    sim.compute_from (`measured`); sim.img_per_s's default, assumed. A rate measured at another
+    batch is taken as the same per image."""
     times, source = {}, {}
     for m in sim.models:
-        if sim.use_measured and m in measured:
-            times[m], source[m] = measured[m], "measured"
+        given = m in sim.img_per_s and float(sim.img_per_s[m]) != defaults.get(m)
+        if sim.use_measured and m in swept:
+            times[m], source[m] = swept[m], "measured: this sweep's N=1 point"
+        elif given:
+            times[m] = sim.batch_per_gpu / float(sim.img_per_s[m])
+            source[m] = f"given: sim.img_per_s.{m}={float(sim.img_per_s[m]):g}"
+        elif m in measured:
+            times[m], source[m] = sim.batch_per_gpu / measured[m].img_per_s, measured[m].source
+        elif m in sim.img_per_s:
+            times[m] = sim.batch_per_gpu / float(sim.img_per_s[m])
+            source[m] = (f"assumed: sim.img_per_s's default, {float(sim.img_per_s[m]):g} img/s, "
+                         "never measured")
         else:
-            if m not in sim.img_per_s:
-                raise ValueError(f"sim.img_per_s has no throughput for model {m!r}")
-            times[m], source[m] = sim.batch_per_gpu / float(sim.img_per_s[m]), "assumed"
+            raise ValueError(f"sim.img_per_s has no throughput for model {m!r}, and no file of "
+                             "sim.compute_from measured one")
     return times, source
 
 

@@ -36,8 +36,14 @@ class SimConfig:
                                                                250.0, 0.0])  # 0: one bucket
     batch_per_gpu: int = 256
     overlap: bool = True
-    # Assumed single-GPU training throughput (img/s at batch_per_gpu, H100/H200-class, bf16
-    # autocast): the compute time each model has to hide communication behind.
+    # Results files of one GPU's measured training throughput (a train_throughput table, a run's
+    # summary.json; paths from the repository's root): the compute each model's communication
+    # has to hide behind. The default: 224 px AlexNet, bf16 + channels_last, batch 256, on an H200.
+    compute_from: list[str] = field(default_factory=lambda: [
+        "docs/results/h200-loop-vs-bare/restructured/a224/this_1.jsonl"])
+    # Single-GPU training throughput (img/s at batch_per_gpu) for a model no file measured: these
+    # defaults are assumptions (H100/H200-class, bf16 autocast); a value given here is used as
+    # given, before any file's.
     img_per_s: dict[str, float] = field(default_factory=lambda: {
         "alexnet": 12000.0, "alexnet_cifar": 60000.0, "resnet50": 3000.0, "resnet101": 1700.0,
         "vgg16": 1100.0})

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 
+from ddp_lab.cli import CONF_DIR
+from ddp_lab.errors import ConfigError
 from ddp_lab.perf import simulate
 from ddp_lab.perf.compute import profile_model
 from ddp_lab.perf.memory import ZERO_STAGES
-from ddp_lab.perf.params import PRESETS, Network
+from ddp_lab.perf.params import PRESETS, Compute, Network, measured_compute
+from ddp_lab.scale.config import SimConfig
 from ddp_lab.scale.report import md_table
 from ddp_lab.scale.sim_plot import plot
 from ddp_lab.tables import format_table, write_rows
@@ -159,10 +162,25 @@ def sanity_table() -> list[dict]:
              "model, no overlap": _pct(r["efficiency_no_overlap"])} for r in simulate.sanity()]
 
 
+def compute_files(sim) -> dict[str, Compute]:
+    """The measured rates of sim.compute_from's files (paths from the repository's root)."""
+    out = {}
+    for path in sim.compute_from:
+        full = path if os.path.isabs(path) else os.path.join(os.path.dirname(CONF_DIR), path)
+        if not os.path.exists(full):
+            raise ConfigError(f"sim.compute_from: {path} does not exist")
+        try:
+            out.update(measured_compute(full, label=path))
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"sim.compute_from: {path}: {e}") from None
+    return out
+
+
 def run(sim, out_dir: str, fits: dict | None = None,
         measured: dict[str, float] | None = None, say=print) -> str:
     """Run the simulation, print its tables, write its files; returns the markdown section."""
-    times, source = simulate.compute_times(sim, measured or {})
+    times, source = simulate.compute_times(sim, measured or {}, compute_files(sim),
+                                           dict(SimConfig().img_per_s))
     nets = simulate.networks(sim, fits or {})
     rows = simulate.simulate_with_band(sim, times, nets, simulate.bucket_sizes(sim), source)
     write_rows(rows, out_dir, "simulation")
