@@ -243,6 +243,9 @@ def make_row(b: Bench, combo: tuple, stem: str, bares: list[dict], ddps: list[di
            "channels_last": cl, "compile": comp, "cuda_graph": graph,
            "batch": batch, "steps": b.steps,
            "ddp_img_s": med(ddps, "img_s"), "bare_img_s": med(bares, "img_s")}
+    # every repeat's throughput (and so a range): the medians above are of these
+    row["ddp_img_s_runs"] = [x["img_s"] for x in ddps]
+    row["bare_img_s_runs"] = [x["img_s"] for x in bares]
     row["ratio"] = row["ddp_img_s"] / row["bare_img_s"]
     row["ddp_img_s_med"], row["bare_img_s_med"] = med(ddps, "img_s_med"), med(bares, "img_s_med")
     row["ratio_med"] = row["ddp_img_s_med"] / row["bare_img_s_med"]
