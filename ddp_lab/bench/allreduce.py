@@ -33,7 +33,7 @@ from hydra.core.config_store import ConfigStore
 
 from ddp_lab import comm
 from ddp_lab.dist import DistConfig, destroy_group, init_group, print0
-from ddp_lab.bench.common import format_table, plot_lines, time_fn, write_rows
+from ddp_lab.bench.common import entry, format_table, plot_lines, time_fn, write_rows
 from ddp_lab.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -220,10 +220,7 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:g} MiB" if nbytes >= 1 << 20 else f"{nbytes} B"
 
 
-def main() -> None:
-    from ddp_lab.cli import run_hydra_app
-
-    run_hydra_app(bench, "bench/allreduce")
+main = entry(bench, "bench/allreduce")
 
 
 if __name__ == "__main__":

@@ -115,13 +115,25 @@ def report(rows: Sequence[dict], out_dir: str, name: str, columns: Sequence[str]
 
 def write_info(out_dir: str, name: str, cfg, device, **extra) -> str:
     """out_dir/name_info.json: how the benchmark was made (ddp_lab.provenance), the resolved
-    config and anything in `extra`."""
+    config and anything in `extra`; the benchmark's last line says where its files are."""
     from omegaconf import OmegaConf
 
     from ddp_lab import provenance
 
     cfg_dict = OmegaConf.to_container(cfg, resolve=True) if cfg is not None else {}
-    return provenance.write(os.path.join(out_dir, f"{name}_info.json"), cfg_dict, device, **extra)
+    path = provenance.write(os.path.join(out_dir, f"{name}_info.json"), cfg_dict, device, **extra)
+    print(f"-> {out_dir}", flush=True)
+    return path
+
+
+def entry(task, config_name: str):
+    """A benchmark's `main()`: `task(cfg, run_dir)` as the Hydra app of conf/`config_name`.yaml."""
+    def main() -> None:
+        from ddp_lab.cli import run_hydra_app
+
+        run_hydra_app(task, config_name)
+
+    return main
 
 
 def series_of(rows: Sequence[dict], name: str, x: str, y: str) -> dict[str, tuple[list, list]]:

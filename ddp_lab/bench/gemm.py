@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import (calls_per_sample, plot_lines, report, resolve_device, sync,
-                                  time_fn, write_info)
+from ddp_lab.bench.common import (calls_per_sample, entry, plot_lines, report, resolve_device,
+                                  sync, time_fn, write_info)
 from ddp_lab.config import ConfigError
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
@@ -260,14 +260,10 @@ def run(cfg, run_dir: str) -> list[dict]:
     if cfg.plot and rows:
         plot_gemm(rows, run_dir)
     write_info(run_dir, "gemm", cfg, device, **extra)
-    print(f"-> {run_dir}")
     return rows
 
 
-def main() -> None:
-    from ddp_lab.cli import run_hydra_app
-
-    run_hydra_app(run, "bench/gemm")
+main = entry(run, "bench/gemm")
 
 
 if __name__ == "__main__":

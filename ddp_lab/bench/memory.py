@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import (plot_lines, report, resolve_device, series_of, time_fn,
+from ddp_lab.bench.common import (entry, plot_lines, report, resolve_device, series_of, time_fn,
                                   write_info)
 from ddp_lab.bench.vector_add import random_vector
 from ddp_lab.config import ConfigError
@@ -159,14 +159,10 @@ def run(cfg, run_dir: str) -> list[dict]:
     if cfg.plot:
         plot_memory(rows, run_dir)
     write_info(run_dir, "memory", cfg, device, cpu_cache_bytes=llc, gpu_l2_bytes=l2)
-    print(f"-> {run_dir}")
     return rows
 
 
-def main() -> None:
-    from ddp_lab.cli import run_hydra_app
-
-    run_hydra_app(run, "bench/memory")
+main = entry(run, "bench/memory")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import plot_lines, report, resolve_device, series_of, write_info
+from ddp_lab.bench.common import entry, plot_lines, report, resolve_device, series_of, write_info
 from ddp_lab.config import ConfigError
 from ddp_lab.held_memory import MEMORY_KEYS
 from ddp_lab.perf import memory as mem
@@ -347,14 +347,10 @@ def run(cfg, run_dir: str) -> list[dict]:
                    ylabel="GB", title="memory by scheme", logx=True, logy=True)
     write_info(run_dir, "memory_fit", cfg, torch.device("cpu") if not cfg.measure
                else resolve_device(cfg.device))
-    print(f"-> {run_dir}")
     return rows
 
 
-def main() -> None:
-    from ddp_lab.cli import run_hydra_app
-
-    run_hydra_app(run, "bench/memory_fit")
+main = entry(run, "bench/memory_fit")
 
 
 if __name__ == "__main__":

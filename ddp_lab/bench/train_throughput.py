@@ -49,7 +49,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.bare import bare_loop, free_memory
-from ddp_lab.bench.common import plot_lines, report, resolve_device, write_info, write_rows
+from ddp_lab.bench.common import entry, plot_lines, report, resolve_device, write_info, write_rows
 from ddp_lab.bench.kernels import profile_pass
 from ddp_lab.cli import compose
 from ddp_lab.config import ConfigError
@@ -369,14 +369,10 @@ def run(cfg, run_dir: str) -> list[dict]:
         plot_matrix(rows, b.model, run_dir)
     write_info(run_dir, "train_throughput", cfg, b.device, flops_per_image_step=b.flops,
                measured_peaks=b.measured, profile=prof_summary)
-    print(f"-> {run_dir}")
     return rows
 
 
-def main() -> None:
-    from ddp_lab.cli import run_hydra_app
-
-    run_hydra_app(run, "bench/train_throughput")
+main = entry(run, "bench/train_throughput")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import (calls_per_sample, plot_lines, report, resolve_device, time_fn,
-                                  write_info)
+from ddp_lab.bench.common import (calls_per_sample, entry, plot_lines, report, resolve_device,
+                                  time_fn, write_info)
 from ddp_lab.config import ConfigError
 
 
@@ -237,14 +237,10 @@ def run(cfg, run_dir: str) -> list[dict]:
         plot_lines(series, os.path.join(run_dir, "vector_add.png"), xlabel="elements",
                    ylabel="ms per add", title="vector add: CPU vs GPU", logx=True, logy=True)
     write_info(run_dir, "vector_add", cfg, device, crossover=cross, skipped=skipped)
-    print(f"-> {run_dir}")
     return rows
 
 
-def main() -> None:
-    from ddp_lab.cli import run_hydra_app
-
-    run_hydra_app(run, "bench/vector_add")
+main = entry(run, "bench/vector_add")
 
 
 if __name__ == "__main__":
