@@ -94,6 +94,7 @@ def test_median_min_max_ratio_of_medians_and_counts():
     assert derive.median_min_max(ROWS, "t", {"algo": "native"}, unit=1e3)[0] == 0.1
     assert derive.ratio_of_medians(ROWS, "t", {"algo": "ring"}, {"algo": "native"}) == 1.1
     assert derive.count(ROWS, {"algo": "naive"}) == 0  # `#wrong` 0 must be derivable
+    assert derive.counts(ROWS, [{"algo": "ring"}, None]) == (3, len(ROWS))
     assert derive.total(ROWS, "t", {"algo": "native"}) == 300.0
     # |err| <= 10 for 5 and -10, not for 15 and -20
     errs = [{"e": 5.0}, {"e": -10.0}, {"e": 15.0}, {"e": -20.0}]

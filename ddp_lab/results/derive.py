@@ -168,6 +168,11 @@ def count(rows: list[dict], where: dict | None = None) -> int:
     return sum(matches(row, where) for row in rows)
 
 
+def counts(rows: list[dict], wheres: list[dict | None]) -> tuple:
+    """How many rows match each of `wheres` (None: every row): "6 of 6"."""
+    return tuple(count(rows, where) for where in wheres)
+
+
 def median_min_max(rows: list[dict], column: str, where: dict | None = None,
                    unit: float = 1) -> tuple:
     """(median, min, max, n) of every number in the column over the matching rows, divided by
