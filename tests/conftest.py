@@ -21,20 +21,15 @@ from reliab_helpers import RESUME, SYNC_NAMES  # noqa: E402
 
 torch.set_num_threads(1)
 
-# Fixtures that time a launch of their own: they need the machine to themselves.
-ALONE = {"quiet_machine", "scale_sweep"}
-
-
 def _group(item) -> int:
-    """0: reads no launch (runs while the background launches run); 1: reads one; 2: times a
-    launch of its own and needs the machine to itself."""
-    return 2 if ALONE & set(item.fixturenames) else 1 if launches_read_by(item) else 0
+    """0: reads no launch (runs while the background launches run); 1: reads one."""
+    return 1 if launches_read_by(item) else 0
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark what the fast tier (`-m "not slow"`) leaves out: a test that waits on launched runs
-    (a background fixture, or one it times alone; a test that launches in its own body carries
-    @pytest.mark.slow itself). Run those after all others (stable order within each group): the
+    (a background fixture; a test that launches in its own body carries @pytest.mark.slow
+    itself). Run those after all others (stable order within each group): the
     launches run in the background meanwhile, so the cores the in-process tests leave idle are
     used."""
     groups = {item: _group(item) for item in items}
@@ -53,25 +48,17 @@ def launches(request, tmp_path_factory):
     started.close()
 
 
-@pytest.fixture(scope="session")
-def quiet_machine(launches):
-    """For a fixture that times its own launch: returns once every background launch has ended,
-    so nothing else runs beside it (its tests run last)."""
-    launches.wait_all()
-
-
-@pytest.fixture(scope="session")
-def scale_sweep(tmp_path_factory, quiet_machine):
-    """`python -m ddp_lab.scale` over world sizes 1 and 2 with DDP and ring, nothing else running
-    (its timings are checked): test_scale.py reads its outputs, test_interference.py the
-    interference probes it ran at N=2 (n2-ddp.json: DDP's buckets, n2-ring.json: ours). Returns
-    (its directory, the finished process)."""
-    out = tmp_path_factory.mktemp("sweep")
+@background(cost=80)
+def scale_sweep(run_dir):
+    """`python -m ddp_lab.scale` over world sizes 1 and 2 with DDP and ring: test_scale.py reads
+    its outputs, test_interference.py the interference probes it ran at N=2 (n2-ddp.json: DDP's
+    buckets, n2-ring.json: ours). No test reads its timings as a figure (performance lives in
+    benchmarks), so it runs beside the other launches. Returns (its directory, the process)."""
     proc = scale(SCALE_TINY + ["nproc=[1,2]", f"syncs=[{','.join(SCALE_SWEPT)}]", "simulate=false",
                                "predict.sizes_kb=[4,64,1024,4096]", "predict.probe_rounds=2",
-                               f"hydra.run.dir={out}"], timeout=900)
+                               f"hydra.run.dir={run_dir}"], timeout=900)
     check(proc)
-    return out, proc
+    return run_dir, proc
 
 
 # ---- named references that several modules read -----------------------------------------------

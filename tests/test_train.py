@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from background import background
 from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff, summary
 from launchers import free_port, run_cmd, torchrun
 
@@ -93,10 +94,14 @@ def test_two_nodes_through_c10d_rendezvous_match_one_node(single_process_referen
     assert max_abs_diff(final_params(small_references["ddp"]), final_params(run_dir)) == 0
 
 
-@pytest.mark.slow
-def test_default_command_reaches_90_percent_on_digits(tmp_path):
-    """The README's first command: 2 CPU ranks, default config."""
-    proc = torchrun(["train.progress=false", f"hydra.run.dir={tmp_path}"], timeout=400)
+@background(cost=160)
+def default_command(run_dir):
+    """The README's first command under torchrun itself: 2 CPU ranks, the default config."""
+    return torchrun(["train.progress=false", f"hydra.run.dir={run_dir}"], timeout=600), run_dir
+
+
+def test_default_command_reaches_90_percent_on_digits(default_command):
+    proc, run_dir = default_command
     check(proc)
-    s = summary(tmp_path)
+    s = summary(run_dir)
     assert s["val_accuracy"] >= 0.90, s
