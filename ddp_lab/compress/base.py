@@ -1,0 +1,34 @@
+"""What every compressor is given and keeps (ddp_lab/compress/__init__.py says what they do)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ddp_lab.registry import Registry
+
+COMPRESSORS = Registry("gradient compressor", "sync.compress")
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The collectives a compressor may run on a bucket, as the sync runs its own: its algorithm,
+    its group, the Recorder counting every byte."""
+    world_size: int
+    all_reduce: Callable[[torch.Tensor], object]  # sum in place over the ranks
+    all_gather: Callable[[torch.Tensor, torch.Tensor], object]  # (this rank's piece, whole)
+
+
+class Compressor:
+    """The interface: see the package docstring."""
+
+    def reduce(self, key: int, flat: torch.Tensor, shapes: list[torch.Size], ops: Ops) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError

@@ -1,0 +1,198 @@
+"""Gradient compressors (ddp_lab/compress) on real gloo groups through our ring, exact wherever the
+arithmetic allows: error feedback telescopes; the cases that must not compress (full rank, k = n)
+are the uncompressed all-reduce bitwise; PowerSGD is linear (N ranks = one process on the mean
+gradient); what goes on the wire is counted, against (rows + cols) r a matrix and torch's own
+powerSGD_hook's statistics; a compressor's state round-trips through a checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_lab import comm
+from ddp_lab.compress import COMPRESSORS, Ops
+from launchers import spawn
+
+# A bucket as the sync packs it: a conv weight, a bias, a fully connected weight, a bias.
+SHAPES = [torch.Size([16, 3, 3, 3]), torch.Size([16]), torch.Size([40, 64]), torch.Size([40])]
+NUMEL = sum(s.numel() for s in SHAPES)
+
+
+def ring_ops(n: int, counts: list | None = None) -> Ops:
+    """Our ring on the default group; `counts` collects the elements each all-reduce is given."""
+    def all_reduce(t):
+        if counts is not None:
+            counts.append(t.numel())
+        return comm.all_reduce(t, "ring")
+
+    return Ops(n, all_reduce, lambda mine, whole: comm.all_gather(mine, whole, "ring"))
+
+
+def grads(rank: int, step: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(NUMEL, generator=g, dtype=torch.float64).to(dtype)
+
+
+def make(name: str, **kw):
+    return COMPRESSORS[name](**kw)
+
+
+def _telescoping(rank, n, name, kw):
+    """T steps in float64. What a rank sent for its x = g + kept: PowerSGD, the average it
+    applied (torch's hook keeps x - average); top-k, its own k entries, and the average applied
+    is the mean of every rank's. Over the steps, what was sent plus what is still kept equals the
+    sum of the rank's gradients. Returns the relative gap."""
+    import torch.distributed as dist
+
+    c, sent_sum, total = make(name, **kw), torch.zeros(NUMEL, dtype=torch.float64), 0
+    for step in range(5):
+        g = grads(rank, step, torch.float64)
+        x = g + c.feedback.kept.get(0, torch.zeros_like(g))
+        flat = g.clone()
+        c.reduce(0, flat, SHAPES, ring_ops(n))
+        kept = c.feedback.kept[0]
+        if name == "powersgd":
+            sent = flat
+            torch.testing.assert_close(sent + kept, x, rtol=1e-12, atol=0)
+        else:
+            sent = x - kept
+            k = -(-NUMEL * kw["fraction"] // 1)
+            assert int((sent != 0).sum()) == k and torch.equal(sent[sent != 0], x[sent != 0])
+            every = [torch.empty_like(sent) for _ in range(n)]
+            dist.all_gather(every, sent)
+            torch.testing.assert_close(flat, sum(every) / n, rtol=1e-12, atol=1e-15)
+        sent_sum += sent
+        total = total + g
+    return ((sent_sum + c.feedback.kept[0] - total).norm() / total.norm()).item()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, kw", [("powersgd", {"rank": 1}), ("topk", {"fraction": 0.05})])
+def test_error_feedback_telescopes(name, kw):
+    """sum(sent) + kept_T == sum(g) in float64: relative error below 1e-12 (5 steps of a few
+    thousand elements: each step's subtraction and addition round once, ~1e-16 each)."""
+    assert max(spawn(_telescoping, 2, name, kw, timeout=50)) < 1e-12
+
+
+def _identity_cases(rank, n):
+    """What must not compress is the ring's all-reduce and divide, bitwise: PowerSGD where no
+    matrix is worth it (full rank), top-k at k = n."""
+    out = []
+    for name, kw in (("powersgd", {"rank": 64}), ("topk", {"fraction": 1.0})):
+        g = grads(rank, 0)
+        flat = g.clone()
+        make(name, **kw).reduce(0, flat, SHAPES, ring_ops(n))
+        ref = comm.all_reduce(g.clone(), "ring").div_(n)
+        out.append(torch.equal(flat, ref))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_what_would_not_pay_is_the_uncompressed_ring_bitwise():
+    assert spawn(_identity_cases, 3, timeout=50) == [[True, True]] * 3
+
+
+def _linearity(rank, n, steps):
+    c = make("powersgd", rank=2, seed=7)
+    for step in range(steps):
+        flat = grads(rank, step)
+        c.reduce(0, flat, SHAPES, ring_ops(n))
+    return flat.tolist()  # (a tensor would travel by a file descriptor the rank closes on exit)
+
+
+@pytest.mark.timeout(60)
+def test_powersgd_on_n_ranks_is_one_process_on_the_mean_gradient():
+    """Linear: 4 ranks (P and Q all-reduced) against one process given the mean of the four
+    gradients, 3 steps with error feedback (the mean of the ranks' kept errors is what one
+    process keeps). fp32: relative L2 under 1e-5 (sums in other orders, a few ulp a step)."""
+    n, steps = 4, 3
+    got = spawn(_linearity, n, steps, timeout=50)
+    c = make("powersgd", rank=2, seed=7)
+    one = Ops(1, lambda t: t, None)
+    for step in range(steps):
+        flat = torch.stack([grads(r, step) for r in range(n)]).mean(0)
+        c.reduce(0, flat, SHAPES, one)
+    for g in map(torch.tensor, got):
+        assert ((g - flat).norm() / flat.norm()).item() < 1e-5
+
+
+def _counted(rank, n, rank_r):
+    c, counts = make("powersgd", rank=rank_r, min_compression_rate=1.0), []
+    with comm.recording() as rec:
+        c.reduce(0, grads(rank, 0), SHAPES, ring_ops(n, counts))
+    return counts, rec.bytes_sent, (c.numel_before, c.numel_after)
+
+
+@pytest.mark.timeout(60)
+def test_powersgd_sends_rows_plus_cols_times_r_per_matrix():
+    """Per compressed matrix (the conv weight as 16 x 27, the FC weight as 40 x 64) P and Q of
+    (rows + cols) r elements; the biases uncompressed, in one all-reduce first. The Recorder's
+    count at N = 2 (a ring all-reduce sends its payload once per rank) is those elements' bytes."""
+    r = 2
+    matrices = [(16, 27), (40, 64)]
+    for counts, sent, (before, after) in spawn(_counted, 2, r, timeout=50):
+        assert counts == [16 + 40, sum(a * r for a, _ in matrices),
+                          sum(b * r for _, b in matrices)]
+        assert after == 16 + 40 + sum((a + b) * r for a, b in matrices) and before == NUMEL
+        assert sent == 4 * after
+
+
+def _torch_stats(rank, n, r, start, min_rate, steps):
+    """torch's powerSGD_hook on DDP over a model of SHAPES, its compression_stats after `steps`."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+    from torch.nn.parallel import DistributedDataParallel
+
+    class Bucket(torch.nn.Module):  # parameters of SHAPES; its "loss" makes their gradients x
+        def __init__(self):
+            super().__init__()
+            self.ps = torch.nn.ParameterList(torch.zeros(shape) for shape in SHAPES)
+
+        def forward(self, x):
+            return sum((p * x[:p.numel()].view_as(p)).sum() for p in self.ps)
+
+    ddp = DistributedDataParallel(Bucket(), bucket_cap_mb=1000)
+    state = ps.PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=start,
+                             min_compression_rate=min_rate, random_seed=0)
+    ddp.register_comm_hook(state, ps.powerSGD_hook)
+    for step in range(steps):
+        ddp(grads(rank, step)).backward()
+        ddp.zero_grad()
+    return list(state.compression_stats()[1:])
+
+
+@pytest.mark.timeout(60)
+def test_statistics_match_torchs_powersgd_hook():
+    """The same rank, start and minimum rate: torch's hook counts elements before and after
+    compression once a step from `start` on; ours, given the same bucket as many times, the same."""
+    r, start, min_rate, steps = 1, 2, 2.0, 4
+    theirs = spawn(_torch_stats, 2, r, start, min_rate, steps, timeout=50)[0]
+    c = make("powersgd", rank=r, min_compression_rate=min_rate)
+    for _ in range(steps - start):
+        c.split(torch.zeros(NUMEL), SHAPES)
+    assert (c.numel_before, c.numel_after) == tuple(theirs)
+
+
+def _round_trip(rank, n):
+    """Two steps, a state_dict saved (through torch.save, weights_only) and loaded into a fresh
+    compressor, then two more steps each: the same results, bitwise."""
+    import io
+
+    a = make("powersgd", rank=2, seed=3)
+    for step in range(2):
+        a.reduce(0, grads(rank, step), SHAPES, ring_ops(n))
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b = make("powersgd", rank=2, seed=99)
+    b.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    same = []
+    for step in (2, 3):
+        fa, fb = grads(rank, step), grads(rank, step)
+        a.reduce(0, fa, SHAPES, ring_ops(n))
+        b.reduce(0, fb, SHAPES, ring_ops(n))
+        same.append(torch.equal(fa, fb))
+    return same
+
+
+@pytest.mark.timeout(60)
+def test_state_round_trips_through_a_weights_only_checkpoint():
+    assert spawn(_round_trip, 2, timeout=50) == [[True, True]] * 2
