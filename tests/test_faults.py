@@ -23,8 +23,12 @@ from reliab_helpers import (NO_DROPOUT, RESUME, SYNC_NAMES, SYNCS, assert_same_t
 # waits mostly idle for its timeout.
 KILLED = RESUME + ["sync=ddp", "train.checkpoint_every=2", "fault.kill_rank=1", "fault.at_step=5"]
 HANG_TIMEOUT_S = 10
-HUNG = {sync: NO_DROPOUT + [f"sync={sync}", "train.max_steps=4", f"dist.timeout_s={HANG_TIMEOUT_S}",
-                            "fault.hang_rank=1", "fault.at_step=3", "fault.hang_s=150"]
+# Each sync hangs sharded, so ZeRO's stages run under torchrun itself too: DDP with torch's
+# ZeroRedundancyOptimizer (stage 1), ours reduce-scattering (stage 2).
+ZERO_STAGE = {"ddp": 1, "ring": 2}
+HUNG = {sync: NO_DROPOUT + [f"sync={sync}", f"sync.zero={ZERO_STAGE[sync]}", "train.max_steps=4",
+                            f"dist.timeout_s={HANG_TIMEOUT_S}", "fault.hang_rank=1",
+                            "fault.at_step=3", "fault.hang_s=150"]
         for sync in SYNC_NAMES}
 NAN_SKIPPED = NO_DROPOUT + ["sync=ddp", "train.max_steps=2", "train.checkpoint_every=1",
                             "train.keep_every=1", "fault.nan_at_step=2", "fault.nan_rank=1"]
