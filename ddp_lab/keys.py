@@ -70,6 +70,10 @@ def _check_range(cfg, dotted: str, f, hint) -> None:
         raise ConfigError(f"{dotted}={value} must be > 0")
     low = rules.get("at_least")
     high, closed = (rules["at_most"], True) if "at_most" in rules else (rules.get("below"), False)
+    if low is None and high is not None:  # (positive=True with at_most: the range (0, high])
+        if not (value <= high if closed else value < high):
+            raise ConfigError(f"{dotted}={value} must be {'<=' if closed else '<'} {high:g}")
+        return
     if low is None:
         return
     if high is None:

@@ -196,3 +196,89 @@ def _round_trip(rank, n):
 @pytest.mark.timeout(60)
 def test_state_round_trips_through_a_weights_only_checkpoint():
     assert spawn(_round_trip, 2, timeout=50) == [[True, True]] * 2
+
+
+def _ddp_takes_torchs_hooks(rank, n):
+    """sync=ddp sync.compress=... against torch's DDP with torch's hook registered by hand, over
+    three steps (PowerSGD compressing from the third): the same gradients, bitwise, and the bytes
+    it counts are what the hook hands over (bf16: 2 bytes an element; PowerSGD: 4 bytes an
+    element torch's state counts after compression)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_lab.sync.config import SyncConfig
+    from ddp_lab.sync.ddp import DDPSync
+
+    def bucket():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 40), torch.nn.Linear(40, 8))
+
+    out = []
+    for compress in ("bf16", "powersgd"):
+        ours = DDPSync(SyncConfig(name="ddp", compress=compress, compress_start=2,
+                                  compress_rank=1, bucket_mb=1000), torch.device("cpu"), n)
+        model, ref = bucket(), DistributedDataParallel(bucket(), bucket_cap_mb=1000)
+        if compress == "bf16":
+            ref.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        else:
+            state = ps.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                     random_seed=0)
+            ref.register_comm_hook(state, ps.powerSGD_hook)
+        wrapped, same, counted = ours.prepare(model), [], []
+        for step in range(3):
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(10 * step + rank))
+            for m in (wrapped, ref):
+                m(x).square().sum().backward()
+            ours.finish()
+            same.append(all(torch.equal(a.grad, b.grad) for a, b in
+                            zip(model.parameters(), ref.module.parameters())))
+            counted.append(ours.comm_stats()["allreduce_payload_bytes"])
+            model.zero_grad(), ref.zero_grad()
+        expected = ([2 * 2928] * 3 if compress == "bf16" else
+                    [4 * 2928, 4 * 2928, 4 * (40 + 8 + (40 + 64) + (8 + 40))])
+        out.append((all(same), counted == expected, counted))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_ddp_compress_is_torchs_own_hooks():
+    for ranks_out in spawn(_ddp_takes_torchs_hooks, 2, timeout=50):
+        for same, counted_right, counted in ranks_out:
+            assert same and counted_right, counted
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sync=ddp", "sync.compress=powersgd", "sync.compress_start=2", "sync.compress_rank=0"],
+     "sync.compress_rank=0 must be >= 1"),
+    (["sync=ddp", "sync.compress=powersgd", "sync.compress_start=2",
+      "sync.min_compression_rate=0"], "sync.min_compression_rate=0.0 must be > 0"),
+    (["sync=ddp", "sync.compress=topk"], "sync.compress=topk with sync=ddp: torch has no top-k"),
+    (["sync=ddp", "sync.compress=powersgd"], "sync.compress_start=0 with sync=ddp"),
+    (["sync=ddp", "sync.compress=bf16", "sync.comm_dtype=fp16"],
+     "sync.compress=bf16 with sync.comm_dtype=fp16"),
+    (["sync=ddp", "sync.compress_rank=4"], "sync.compress_rank=4 has no effect with "
+                                           "sync.compress=none"),
+])
+def test_bad_compression_settings_are_one_line(overrides, message):
+    from ddp_lab.config import validate
+    from ddp_lab.errors import ConfigError
+    from helpers import compose_config
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config(overrides))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_topk_fraction_outside_0_1_is_refused():
+    """The range is checked before whether a sync reads the key (ours take top-k once wired)."""
+    from ddp_lab.config import Config
+    from ddp_lab.errors import ConfigError
+    from ddp_lab.keys import check_keys
+    from helpers import compose_config
+
+    cfg = compose_config(["sync=ddp"])
+    for bad, message in ((0.0, "must be > 0"), (1.5, "must be <= 1")):
+        cfg.sync.topk_fraction = bad
+        with pytest.raises(ConfigError, match=f"sync.topk_fraction={bad} {message}"):
+            check_keys(cfg, Config)

@@ -14,6 +14,7 @@ from omegaconf import MISSING
 
 from ddp_lab.buckets import DEFAULT_BUCKET_MB
 from ddp_lab.comm import OURS
+from ddp_lab.compress import COMPRESSORS
 from ddp_lab.errors import ConfigError
 from ddp_lab.keys import key
 from ddp_lab.registry import Registry
@@ -37,6 +38,19 @@ class SyncConfig:
     # instead of all-reduce). naive|ring|tree: ddp_lab/sync/zero.py; ddp: 1 only, torch's
     # ZeroRedundancyOptimizer; none: nothing to shard over
     zero: int = key(0, choices=(0, 1, 2), read_by=SYNCS)
+    # Gradient compression, bucket by bucket (ddp_lab/compress): none | bf16 | fp16 (the all-reduce
+    # in 16 bits; ours: sync.comm_dtype's other name) | powersgd | topk. sync=ddp runs torch's own
+    # comm hooks (bf16_compress_hook, fp16_compress_hook, powerSGD_hook): the reference.
+    compress: str = key("none", choices=("none", "bf16", "fp16", *COMPRESSORS), read_by=SYNCS)
+    compress_rank: int = key(2, at_least=1, only_with=("compress", ("powersgd",)))  # PowerSGD's r
+    # top-k: the share of each bucket's entries a rank sends, in (0, 1]
+    topk_fraction: float = key(0.01, positive=True, at_most=1.0, only_with=("compress", ("topk",)))
+    # keep what compression left out and add it to the next step's gradient
+    error_feedback: bool = key(True, only_with=("compress", ("powersgd", "topk")))
+    # steps sent uncompressed before compression begins
+    compress_start: int = key(0, at_least=0, only_with=("compress", ("powersgd", "topk")))
+    # PowerSGD compresses a matrix only where (rows + cols) r x this < rows x cols (torch's rule)
+    min_compression_rate: float = key(2.0, positive=True, only_with=("compress", ("powersgd",)))
 
 
 def check_sync(cfg) -> None:
@@ -45,3 +59,24 @@ def check_sync(cfg) -> None:
         raise ConfigError(f"sync.zero={s.zero} with sync=ddp: torch's ZeroRedundancyOptimizer "
                           f"shards optimizer state only (ZeRO-1); use sync.zero=1, or "
                           f"sync={'|'.join(OURS)} sync.zero={s.zero}")
+    check_compress(s)
+
+
+def check_compress(s) -> None:
+    """sync.compress against the rest of the group: what cannot go together, in one line."""
+    sixteen = s.compress in ("bf16", "fp16")
+    if s.compress != "none" and s.comm_dtype != "fp32" and s.comm_dtype != s.compress:
+        raise ConfigError(f"sync.compress={s.compress} with sync.comm_dtype={s.comm_dtype}: "
+                          "comm_dtype is the 16-bit all-reduce's older name and compressors take "
+                          "fp32 gradients; set sync.compress alone")
+    if s.compress == "topk" and s.name == "ddp":
+        raise ConfigError("sync.compress=topk with sync=ddp: torch has no top-k comm hook, and "
+                          "top-k needs an all-gather; use sync=" + "|".join(OURS))
+    if not sixteen and s.compress != "none" and s.zero:
+        raise ConfigError(f"sync.compress={s.compress} with sync.zero={s.zero}: compression of "
+                          "reduce-scattered shards is not built; use sync.zero=0")
+    if s.compress == "powersgd" and s.name == "ddp" and s.error_feedback \
+            and s.compress_start < 2:
+        raise ConfigError(f"sync.compress_start={s.compress_start} with sync=ddp "
+                          "sync.compress=powersgd: torch's powerSGD_hook needs >= 2 with error "
+                          "feedback (DDP rebuilds its buckets after the first step)")

@@ -3,9 +3,13 @@ with sync.zero=1 its optimizer is torch's ZeroRedundancyOptimizer (ZeRO-1: each 
 state of, and updates, whole parameters assigned to it, then broadcasts them), the reference for
 sync=naive|ring|tree sync.zero=1 (ddp_lab/sync/zero.py).
 
+`sync.compress` runs torch's own comm hooks (bf16_compress_hook, fp16_compress_hook,
+powerSGD_hook): the reference ddp_lab/compress is checked against.
+
 Bytes, counted where they are handed to the backend (what the backend then sends is inside it):
-every bucket through a comm hook (torch's `allreduce_hook`, or the divide-first `compress_hook`
-for a 16-bit `sync.comm_dtype`), and with ZeRO-1 every parameter broadcast after the optimizer
+every bucket through a comm hook (torch's `allreduce_hook`, the divide-first `compress_hook` for a
+16-bit `sync.comm_dtype`, or torch's compression hooks, counted in the dtype or the elements they
+send), and with ZeRO-1 every parameter broadcast after the optimizer
 step, seen at the dispatcher (`c10d.broadcast_`). They are reported as payload bytes and as bus
 bytes by nccl-tests' convention: an all-reduce's payload x 2(N-1)/N, a broadcast's x 1, what a
 ring-family algorithm sends per rank (`comm.cost`)."""
@@ -17,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lab.dtypes import DTYPES
@@ -80,12 +85,19 @@ class Handed:
     def __init__(self):
         self.allreduce = self.broadcast = 0
 
-    def counted(self, hook):
-        """`hook` (a DDP comm hook), counting each bucket it is given."""
-        def hook_counting(process_group, bucket):
+    def counted(self, hook, elem: int | None = None, powersgd=None):
+        """`hook` (a DDP comm hook), counting what it hands over for each bucket: the bucket in
+        the dtype it travels in (`elem` bytes an element; None: the bucket's own), or with
+        torch's PowerSGD the elements its state counts after compression (P, Q and what goes
+        uncompressed; the whole bucket before compression starts)."""
+        def hook_counting(state, bucket):
             buffer = bucket.buffer()
-            self.allreduce += buffer.numel() * buffer.element_size()
-            return hook(process_group, bucket)
+            before = powersgd.total_numel_after_compression if powersgd is not None else 0
+            fut = hook(state, bucket)
+            after = powersgd.total_numel_after_compression if powersgd is not None else 0
+            numel = after - before if after != before else buffer.numel()
+            self.allreduce += numel * (elem or buffer.element_size())
+            return fut
 
         return hook_counting
 
@@ -121,7 +133,7 @@ def counting_zero_optimizer(handed: Handed):
     return CountingZeroRedundancyOptimizer
 
 
-@SYNCS.register("ddp", reads=("bucket_mb", "comm_dtype", "gradient_as_bucket_view",
+@SYNCS.register("ddp", reads=("bucket_mb", "comm_dtype", "compress", "gradient_as_bucket_view",
                               "static_graph", "zero"))  # zero: 1 only (sync/config.py)
 class DDPSync(GradSync):
     name = "ddp"
@@ -130,6 +142,7 @@ class DDPSync(GradSync):
         self.cfg, self.device, self.world_size = scfg, device, world_size
         self.ddp: DistributedDataParallel | None = None
         self.handed = Handed()
+        self.powersgd = None  # torch's PowerSGDState with sync.compress=powersgd
         self._last = (0, 0)  # (all-reduce, broadcast) payload bytes of the last step
 
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -140,13 +153,29 @@ class DDPSync(GradSync):
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
         )
-        # Divide by the world size, then (16 bits: cast down, see compress_hook) sum.
-        hook = (default_hooks.allreduce_hook if self.cfg.comm_dtype == "fp32"
-                else compress_hook(DTYPES[self.cfg.comm_dtype]))
+        hook, state, elem = self._hook()
         if self.tracer is not None:
             hook = timed_hook(hook, self.tracer)
-        self.ddp.register_comm_hook(None, self.handed.counted(hook))
+        self.ddp.register_comm_hook(state, self.handed.counted(hook, elem, self.powersgd))
         return self.ddp
+
+    def _hook(self):
+        """(DDP's comm hook, its state, bytes an element it sends): torch's own hooks for
+        sync.compress (the reference for ours); otherwise divide by the world size, then (a 16-bit
+        sync.comm_dtype: cast down, see compress_hook) sum."""
+        c = self.cfg
+        if c.compress == "powersgd":
+            self.powersgd = PowerSGDState(
+                None, matrix_approximation_rank=c.compress_rank,
+                start_powerSGD_iter=c.compress_start, min_compression_rate=c.min_compression_rate,
+                use_error_feedback=c.error_feedback, warm_start=True, random_seed=0)
+            return powerSGD_hook, self.powersgd, None
+        if c.compress in ("bf16", "fp16"):
+            hook = getattr(default_hooks, f"{c.compress}_compress_hook")
+            return hook, None, DTYPES[c.compress].itemsize
+        if c.comm_dtype != "fp32":
+            return compress_hook(DTYPES[c.comm_dtype]), None, DTYPES[c.comm_dtype].itemsize
+        return default_hooks.allreduce_hook, None, None
 
     def finish(self) -> None:
         # A step's bytes: from one finish() to the next, so ZeRO-1's broadcasts after a step
@@ -179,7 +208,11 @@ class DDPSync(GradSync):
 
     def comm_stats(self) -> dict:
         allreduce, broadcast = self._last
-        return {**super().comm_stats(), "payload_bytes_per_step": allreduce + broadcast,
-                "allreduce_payload_bytes": allreduce, "broadcast_payload_bytes": broadcast,
-                "bytes_per_step_is": "bus bytes by nccl-tests' convention: payload handed to the "
-                                     "backend x 2(N-1)/N for all-reduces, x 1 for broadcasts"}
+        stats = {**super().comm_stats(), "payload_bytes_per_step": allreduce + broadcast,
+                 "allreduce_payload_bytes": allreduce, "broadcast_payload_bytes": broadcast,
+                 "bytes_per_step_is": "bus bytes by nccl-tests' convention: payload handed to "
+                                      "the backend x 2(N-1)/N for all-reduces, x 1 for broadcasts"}
+        if self.powersgd is not None:  # torch's count, elements before and after, the whole run
+            rate, before, after = self.powersgd.compression_stats()
+            stats["compression"] = {"numel_before": before, "numel_after": after, "rate": rate}
+        return stats
