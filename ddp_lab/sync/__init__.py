@@ -13,6 +13,7 @@ from ddp_lab.sync.none import NoSync
 from ddp_lab.sync.ddp import DDPSync
 from ddp_lab.sync.bucketed import BucketedSync
 from ddp_lab.sync.zero import ShardedSync
+from ddp_lab.sync.fsdp import FSDPSync
 
 
 def build_sync(scfg, info: DistInfo) -> GradSync:
@@ -28,5 +29,5 @@ def build_sync(scfg, info: DistInfo) -> GradSync:
     return sync(scfg, info.device, info.world_size)
 
 
-__all__ = ["BucketedSync", "DDPSync", "GradSync", "NoSync", "SYNCS", "ShardedSync", "SyncConfig",
+__all__ = ["BucketedSync", "DDPSync", "FSDPSync", "GradSync", "NoSync", "SYNCS", "ShardedSync", "SyncConfig",
            "build_sync"]
