@@ -8,7 +8,8 @@ from ddp_lab.dist import DistInfo
 from ddp_lab.errors import ConfigError
 from ddp_lab.sync.base import GradSync
 from ddp_lab.sync.config import SYNCS, SyncConfig
-# Imported, so registered, in the order listings show: nothing, torch's reference, then ours.
+# Imported, so registered, in the order listings show: nothing, torch's DDP, ours, then torch's
+# FSDP (the reference for ZeRO-3, sharded as ours are).
 from ddp_lab.sync.none import NoSync
 from ddp_lab.sync.ddp import DDPSync
 from ddp_lab.sync.bucketed import BucketedSync
