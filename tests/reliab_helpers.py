@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from helpers import FAST
+from helpers import FAST, training_state
 from launchers import REPO
 
 # 2 ranks x 8 = 16 samples per step, 48 samples: 3 steps per epoch, 6 steps in 2 epochs, so a stop
@@ -38,22 +38,6 @@ def assert_bitwise_equal(a: dict, b: dict, what: str = "") -> None:
     assert a.keys() == b.keys()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{what}: tensors differ bitwise: {differ[:5]}"
-
-
-def training_state(run_dir) -> dict:
-    """The run's last checkpoint: its step, schedule and every tensor by key. checkpoint.pt's
-    model and optimizer state, or (sync.zero>=1, sync=fsdp) the newest sharded checkpoint's
-    tensors, read whole in this process (ddp_lab.sharded_checkpoint.read_whole)."""
-    from ddp_lab import sharded_checkpoint
-
-    path = os.path.join(run_dir, "checkpoint.pt")
-    if not os.path.exists(path):
-        c = sharded_checkpoint.read_whole(sharded_checkpoint.candidates(str(run_dir))[0])
-        return {"step": c["step"], "scheduler": c["scheduler"], "tensors": c["tensors"]}
-    c = ckpt(path)
-    optim = {f"optim.{i}.{k}": v for i, s in c["optimizer"]["state"].items() for k, v in s.items()}
-    return {"step": c["step"], "scheduler": c["scheduler"],
-            "tensors": {**{f"model.{k}": v for k, v in c["model"].items()}, **optim}}
 
 
 def assert_same_training_state(run_dir, ref_dir) -> None:

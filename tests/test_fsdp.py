@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 from background import background
-from helpers import SMALL, check, max_abs_diff, summary
+from helpers import SMALL, check, final_params, max_abs_diff, summary
 from launchers import ranks, spawn
-from reliab_helpers import training_state
 from test_sync import batch, make_model
 from test_zero import OPTIMS, STEPS, close_adamw, one_process, packed, unpacked
 
@@ -191,12 +190,9 @@ def test_a_fsdp_run_trains_like_ddp_and_one_process(fsdp_run, small_references):
     """The whole loop: guard, clipping off, the sharded checkpoint it ends with (whole here),
     summary.json's bytes (1.5 x DDP's bus bytes at N = 2: two gathers and a reduce-scatter,
     each half of an all-reduce) and memory (every kind 1/N of DDP's, as predicted)."""
-    tensors = training_state(fsdp_run)["tensors"]
-    got = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    got = final_params(fsdp_run)
     for ref in ("ddp", "single"):
-        want = {k[len("model."):]: v for k, v in training_state(small_references[ref])
-                ["tensors"].items() if k.startswith("model.")}
-        assert max_abs_diff(want, got) < 1e-6, ref
+        assert max_abs_diff(final_params(small_references[ref]), got) < 1e-6, ref
     s, ddp = summary(fsdp_run), summary(small_references["ddp"])
     assert len(set(s["rank_param_digests"])) == 1  # (the gathered model's digest)
     assert s["comm_bytes_per_step"] * 2 == 3 * ddp["comm_bytes_per_step"]

@@ -21,9 +21,9 @@ import torch
 from ddp_lab import checkpoint, comm
 from ddp_lab.errors import ConfigError
 from background import background
-from helpers import check
+from helpers import check, training_state
 from launchers import ranks, spawn
-from reliab_helpers import NO_DROPOUT, train_log, training_state
+from reliab_helpers import NO_DROPOUT, train_log
 from test_bad_input import snapshot
 from test_fsdp import fsdp_cfg
 from test_sync import batch, make_model
