@@ -18,11 +18,10 @@ flat shards under one key per rank with the offsets map in `layout` (ddp_lab/syn
 the tensors every rank holds (ZeRO's parameters) once, by whichever rank DCP picks. Nothing is
 gathered; a GPU tensor is copied to the host one at a time.
 
-Writing is atomic: into `checkpoint_step<N>.tmp/`, each rank's files synced, then rank 0 hashes
-nothing it did not write (each rank hashes a share of the files, the digests are gathered),
-writes state.pt last and renames the directory. A crash at any point leaves the previous
-checkpoints whole; the temporary is removed at the next start. After a save the older
-directories go, except those train.keep_every keeps.
+Writing is atomic: into `checkpoint_step<N>.tmp/`, every rank's files synced; then each rank
+hashes a share of the files, rank 0 gathers the digests, writes state.pt last and renames the
+directory. A crash at any point leaves the previous checkpoints whole; the temporary is removed
+at the next start. After a save the older directories go, except those train.keep_every keeps.
 
 Loading is checked before anything is read into the model, and refused with one line if anything
 is wrong (the run dir is left as it is, not started over): state.pt's own sha256, then every
@@ -278,7 +277,12 @@ class Shards:
         return self.metadata[key].properties.dtype
 
     def read(self, tensors: dict) -> None:
-        dcp.load(tensors, storage_reader=SafeReader(self.path))
+        try:
+            dcp.load(tensors, storage_reader=SafeReader(self.path))
+        except Exception as e:  # noqa: BLE001 - DCP's CheckpointException wraps every rank's
+            first = str(e).splitlines()[0][:300]
+            raise ConfigError(f"checkpoint {self.path} could not be read ({type(e).__name__}: "
+                              f"{first}). {_UNTOUCHED}") from None
 
 
 def check_model(shards: Shards, model_state: dict) -> None:

@@ -17,19 +17,20 @@ the other way: every element within 2 lr x steps, all but a few within 1e-6 (tes
 
 from __future__ import annotations
 
-import contextlib
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from background import background
 from helpers import SMALL, check, final_params, max_abs_diff, summary
 from launchers import ranks, spawn
 from test_sync import batch, make_model
-from test_zero import OPTIMS, STEPS, close_adamw, one_process, packed, unpacked
+from test_zero import OPTIMS, STEPS, close_adamw, one_process, packed, scfg, unpacked
+from test_zero import train as zero_train
 
 CLIP = 0.05
 
@@ -39,26 +40,10 @@ def fsdp_cfg(reshard_after_forward=True, comm_dtype="fp32"):
                            comm_dtype=comm_dtype)
 
 
-def train(rank, n, sync, optim, impl="foreach", accum=1, clip=0.0):
-    """STEPS steps of the small CNN through `sync`; returns (whole parameters, the sync)."""
-    model = make_model(seed=rank)  # rank 0's parameters are broadcast by prepare()
-    wrapped = sync.prepare(model)
-    cls, kwargs = OPTIMS[optim]
-    opt = sync.build_optimizer(model, cls, dict(kwargs, **({"fused": True} if impl == "fused"
-                                                           else {"foreach": True})))
-    for step in range(STEPS):
-        for micro in range(accum):
-            x, y = batch(rank, step, micro)
-            with sync.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                (nn.functional.cross_entropy(wrapped(x), y) / accum).backward()
-        sync.finish()
-        if clip:
-            sync.clip_grad_norm_(opt, clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-             for p in model.parameters()]
-    return whole, sync
+def train(rank, n, cfg, optim, impl="foreach", accum=1, clip=0.0):
+    """tests/test_zero.py's STEPS steps of the small CNN; returns (whole parameters, the sync)."""
+    params, sync, _, _ = zero_train(rank, n, cfg, optim, impl, accum, clip)
+    return [p.full_tensor() if isinstance(p, DTensor) else p for p in params], sync
 
 
 CASES = [  # (optimizer, impl, accum, clip)
@@ -68,18 +53,14 @@ CASES = [  # (optimizer, impl, accum, clip)
 
 
 def _fsdp_cases(rank, n):
-    from ddp_lab.sync import DDPSync, FSDPSync
-
-    cpu, out = torch.device("cpu"), {"cases": {}, "ddp": {}}
+    out = {"cases": {}, "ddp": {}}
     for optim, impl, accum, clip in CASES:
-        params, sync = train(rank, n, FSDPSync(fsdp_cfg(), cpu, n), optim, impl, accum, clip)
+        params, sync = train(rank, n, fsdp_cfg(), optim, impl, accum, clip)
         out["cases"][optim, impl, accum, clip] = {"params": params, "stats": sync.comm_stats(),
                                                   "bytes": sync.bytes_per_step()}
     for optim in OPTIMS:
-        ddp = SimpleNamespace(name="ddp", zero=0, bucket_mb=25, comm_dtype="fp32",
-                              gradient_as_bucket_view=False, static_graph=False)
-        out["ddp"][optim] = train(rank, n, DDPSync(ddp, cpu, n), optim, "fused")[0]
-    _, kept = train(rank, n, FSDPSync(fsdp_cfg(reshard_after_forward=False), cpu, n), "sgd")
+        out["ddp"][optim] = train(rank, n, scfg("ddp", bucket_mb=25), optim, "fused")[0]
+    _, kept = train(rank, n, fsdp_cfg(reshard_after_forward=False), "sgd")
     out["kept_gathered"] = kept.comm_stats()
     return packed(out)
 

@@ -27,25 +27,21 @@ from reliab_helpers import NO_DROPOUT, train_log
 from test_bad_input import snapshot
 from test_fsdp import fsdp_cfg
 from test_sync import batch, make_model
-from test_zero import scfg
+from test_zero import make_sync, scfg
 
 STEP = 4  # the checkpoint's step (the small CNN's training steps before it)
 MORE = 2  # and the steps after it
-KINDS = {"ring-zero2": ("ring", 2), "ddp-zero1": ("ddp", 1), "fsdp": None}
+KINDS = {"ring-zero2": scfg("ring", 2), "ddp-zero1": scfg("ddp", 1), "fsdp": fsdp_cfg()}
 
 
 def _fresh(rank, n, kind, wide=False):
     """A sync, model and AdamW over what this rank updates, before any step: ZeRO-2 (ring),
     torch's ZeRO-1 (ZeroRedundancyOptimizer) or FSDP. `wide`: another model, its first
     convolution 5 channels wide instead of 4."""
-    from ddp_lab.sync import DDPSync, FSDPSync, ShardedSync
-
-    model, cpu = make_model(seed=rank), torch.device("cpu")  # (rank 0's are broadcast)
+    model = make_model(seed=rank)  # (rank 0's parameters are broadcast)
     if wide:
         model[0], model[3] = torch.nn.Conv2d(3, 5, 3), torch.nn.Linear(5 * 6 * 6, 10)
-    sync = (FSDPSync(fsdp_cfg(), cpu, n) if kind == "fsdp" else
-            DDPSync(scfg(*KINDS[kind]), cpu, n) if kind == "ddp-zero1" else
-            ShardedSync(scfg(*KINDS[kind]), cpu, n))
+    sync = make_sync(KINDS[kind], n)
     wrapped = sync.prepare(model)
     return sync, model, wrapped, sync.build_optimizer(model, torch.optim.AdamW,
                                                       dict(lr=1e-3, fused=True))

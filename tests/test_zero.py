@@ -41,10 +41,10 @@ def scfg(name, zero=0, overlap=True, comm_dtype="fp32", bucket_mb=0.001):
 
 
 def make_sync(cfg, n):
-    from ddp_lab.sync import BucketedSync, DDPSync, ShardedSync
+    from ddp_lab.sync import BucketedSync, DDPSync, FSDPSync, ShardedSync
 
-    if cfg.name == "ddp":
-        return DDPSync(cfg, torch.device("cpu"), n)
+    if cfg.name in ("ddp", "fsdp"):  # (fsdp: tests/test_fsdp.py)
+        return (DDPSync if cfg.name == "ddp" else FSDPSync)(cfg, torch.device("cpu"), n)
     return (ShardedSync if cfg.zero else BucketedSync)(cfg, torch.device("cpu"), n)
 
 

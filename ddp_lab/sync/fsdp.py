@@ -30,6 +30,8 @@ bytes
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -124,17 +126,22 @@ class FSDPSync(GradSync):
             kwargs = dict(kwargs, fused=False, foreach=True)
         return cls(model.parameters(), **kwargs)
 
+    @contextlib.contextmanager
     def no_sync(self):
-        return _NoGradientSync(self.units[-1])
+        """Micro-steps that accumulate unsharded gradients, reduce-scattered at the last one."""
+        self.units[-1].set_requires_gradient_sync(False)  # the root: every unit under it too
+        try:
+            yield
+        finally:
+            self.units[-1].set_requires_gradient_sync(True)
 
     def finish(self) -> None:
         self._last = self.handed.take()
 
     def grad_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
-        if not scaler.is_enabled():
-            return scaler
-        return ShardedScaler(scaler._device, scaler._init_scale, scaler._growth_factor,  # noqa: SLF001
-                             scaler._backoff_factor, scaler._growth_interval)  # noqa: SLF001
+        """ZeRO's (ddp_lab/sync/zero.py): torch's ShardedGradScaler, FSDP1's, also all-reduces
+        the verdicts, but its found_inf does not fit fused AdamW's step on DTensors."""
+        return ShardedScaler.like(scaler)
 
     # ---- checkpoints: DTensors, which DCP writes shard by shard and reshards on load ----
 
@@ -178,18 +185,3 @@ def _flat(model_state: dict, optim_state: dict) -> dict:
     for name, state in optim_state["state"].items():
         tensors.update({f"optim.{name}.{k}": v for k, v in state.items()})
     return tensors
-
-
-class _NoGradientSync:
-    """Micro-steps that accumulate unsharded gradients without reduce-scattering them."""
-
-    def __init__(self, root: FSDPModule):
-        self.root = root
-
-    def __enter__(self):
-        self.root.set_requires_gradient_sync(False)
-        return self
-
-    def __exit__(self, *exc):
-        self.root.set_requires_gradient_sync(True)
-        return False

@@ -144,11 +144,7 @@ class ShardedSync(BucketedSync):
         return optimizer
 
     def grad_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
-        if not scaler.is_enabled():
-            return scaler
-        return ShardedScaler(scaler._device, scaler._init_scale, scaler._growth_factor,  # noqa: SLF001
-                             scaler._backoff_factor, scaler._growth_interval,  # noqa: SLF001
-                             group=self.group)
+        return ShardedScaler.like(scaler, self.group)
 
     def clip_grad_norm_(self, optimizer, max_norm: float) -> torch.Tensor:
         """torch's clip_grad_norm_ over the whole gradient, from the shards: the global norm is
@@ -240,6 +236,14 @@ class ShardedScaler(torch.amp.GradScaler):
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval)
         self.group = group
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler, group=None) -> torch.amp.GradScaler:
+        """`scaler`'s settings, its verdicts agreed over `group` (a disabled one as it is)."""
+        if not scaler.is_enabled():
+            return scaler
+        return cls(scaler._device, scaler._init_scale, scaler._growth_factor,  # noqa: SLF001
+                   scaler._backoff_factor, scaler._growth_interval, group=group)  # noqa: SLF001
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
