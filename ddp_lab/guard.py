@@ -14,7 +14,9 @@
   reaches one.
 * Replicas. Every `train.consistency_every` steps (and at the end) the ranks compare an exact
   checksum of their parameters, computed on the device; a difference stops training with the
-  ranks named. The summary's per-rank digests come from the same checksum.
+  ranks named. The summary's per-rank digests come from the same checksum. (sync=fsdp: each
+  rank holds its rows of every parameter; the checksum is of the parameters gathered whole, and
+  the non-finite checks read this rank's rows, their flags all-reduced as everywhere.)
 """
 
 from __future__ import annotations

@@ -150,8 +150,7 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     there is one. `closing` is shut before the process group goes."""
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     # Before anything is written: a run dir of another config is refused untouched.
-    sharded = shards_state(cfg.sync)  # each rank holds part of the state: its own shards
-    resume = sharded_checkpoint.resume if sharded else checkpoint.resume
+    resume = sharded_checkpoint.resume if shards_state(cfg.sync) else checkpoint.resume
     resumed = resume(cfg_dict, run_dir, cfg.train.resume, info.world_size, log.warning)
     cfg = OmegaConf.to_object(cfg)
     ctx = RunContext(cfg, cfg_dict, run_dir, info, heartbeat)
@@ -395,8 +394,7 @@ def save_checkpoint(run: Run, step: int) -> None:
         state |= {"model": parts.model.state_dict(), **float_lrs(parts.optimizer, run.scheduler)}
         paths = checkpoint.save(state, ctx.run_dir, step, ctx.cfg.train.keep_every)
     if ctx.info.is_main:
-        log.info("step %d: checkpoint saved (%s)", step,
-                 ", ".join(os.path.basename(p) for p in paths))
+        log.info("step %d: checkpoint saved (%s)", step, ", ".join(map(os.path.basename, paths)))
     dist.barrier()  # nobody runs ahead of a checkpoint that is not on disk yet
 
 
