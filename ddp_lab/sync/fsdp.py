@@ -22,10 +22,17 @@ everything else is torch's, on DTensors
 bytes
     Counted where FSDP hands each unit's flat buffer to the backend: our all-gather and
     reduce-scatter objects wrap FSDP's own (`set_custom_all_gather`/`_reduce_scatter`), so
-    nothing about the collectives changes. Payload is the all-gather's output and the
-    reduce-scatter's input (padding included: what the backend moves), and bus bytes by
-    nccl-tests' convention: payload x (N-1)/N for both, what a ring sends per rank.
-    From one finish() to the next, as the other syncs count.
+    nothing about the collectives changes. (Not at the dispatcher, as sync=ddp counts
+    ZeroRedundancyOptimizer's broadcasts around its step: FSDP communicates from hooks all
+    through forward and backward, and a dispatch mode there would put a Python call on every op
+    of the step it times.) Payload is the all-gather's output and the reduce-scatter's input
+    (padding included), and bus bytes by nccl-tests' convention: payload x (N-1)/N for both,
+    what a ring sends per rank. What the backend then moves is its own (gloo reduce-scatters
+    with all-reduces: pytorch#149869). From one finish() to the next, as the other syncs count.
+on CPU
+    gloo runs it as it is in torch 2.14: it has the flat all-gather and reduce-scatter FSDP2
+    calls. Not timed (comm_busy_ms is NaN) and not on train.trace's timeline: FSDP's collectives
+    run inside its own hooks.
 """
 
 from __future__ import annotations
