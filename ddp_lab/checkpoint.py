@@ -11,6 +11,10 @@ Damage is detected, not trusted: the zip container catches truncation, but torch
 the bytes of tensor data, so each checkpoint also carries a sha256 of its own contents (`integrity`)
 that `load` recomputes. A checkpoint that fails either check is refused and the previous good one
 (`checkpoint_step<N>.pt`) is used instead.
+
+This is the format where every rank holds everything (sync.zero=0). Where each holds a part (ZeRO,
+FSDP) each rank writes its own (ddp_lab/sharded_checkpoint.py), which uses the config digest, the
+RNG states, `atomic_save`/`load` (for its state.pt) and the ranks' agreement on resume from here.
 """
 
 from __future__ import annotations
