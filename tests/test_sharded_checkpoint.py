@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from ddp_lab import checkpoint, comm
+from ddp_lab import checkpoint, comm, sharded_checkpoint
 from ddp_lab.errors import ConfigError
 from background import background
 from helpers import check, training_state
@@ -58,8 +58,6 @@ def _steps(rank, run, steps) -> None:
 
 
 def _save(run, run_dir):
-    from ddp_lab import sharded_checkpoint
-
     sync, model, _, opt = run
     n = sync.world_size
     state = {"step": STEP, "config_digest": checkpoint.config_digest(_cfg(n), n, True),
@@ -75,8 +73,6 @@ def _cfg(n: int) -> dict:
 def _resumed(rank, n, kind, run_dir, wide=False):
     """At n ranks, what a resumed run does: find the run dir's checkpoint, check it (its config,
     every file) and load it."""
-    from ddp_lab import sharded_checkpoint
-
     run = _fresh(rank, n, kind, wide)
     resumed = sharded_checkpoint.resume(_cfg(n), str(run_dir), "auto", n, log=print)
     sharded_checkpoint.load(resumed, run[0], run[1], run[3])
@@ -118,8 +114,6 @@ def _load_then_write(rank, m, run_dirs, new_dirs):
 def whole(path) -> dict:
     """Every tensor of a checkpoint, ZeRO's flat shards joined into their bucket's whole (their
     keys end in the rank: `optim.<bucket>.<state>.<rank>`), by key."""
-    from ddp_lab import sharded_checkpoint
-
     read = sharded_checkpoint.read_whole(path)
     tensors, layout = read["tensors"], read["layout"]
     if "buckets" not in layout:
@@ -251,8 +245,6 @@ OTHER_MODEL = ("holds another model (0.bias: [4] there, [5] here; 0.weight: [4, 
 
 @pytest.mark.timeout(120)
 def test_pickled_code_in_dcp_metadata_is_refused_and_runs_nothing(written, tmp_path):
-    from ddp_lab import sharded_checkpoint
-
     if os.path.exists("/tmp/ddp_lab_pwned_dcp"):
         os.remove("/tmp/ddp_lab_pwned_dcp")
     path = str(tmp_path / "checkpoint")
