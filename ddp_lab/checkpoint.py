@@ -11,6 +11,10 @@ Damage is detected, not trusted: the zip container catches truncation, but torch
 the bytes of tensor data, so each checkpoint also carries a sha256 of its own contents (`integrity`)
 that `load` recomputes. A checkpoint that fails either check is refused and the previous good one
 (`checkpoint_step<N>.pt`) is used instead.
+
+This is the format where every rank holds everything (sync.zero=0). Where each holds a part (ZeRO,
+FSDP) each rank writes its own (ddp_lab/sharded_checkpoint.py), which uses the config digest, the
+RNG states, `atomic_save`/`load` (for its state.pt) and the ranks' agreement on resume from here.
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ from ddp_lab.config import is_neutral
 from ddp_lab.errors import ConfigError
 
 LATEST = "checkpoint.pt"
+SHARDED_STATE = "state.pt"  # in each directory of a sharded checkpoint
 TMP_SUFFIX = ".tmp"
 FORMAT = 1  # bump when the layout changes incompatibly
 
-def resume_config(cfg_dict: dict, world_size: int) -> dict:
-    """The flattened config a resumed run must share with the run it continues."""
+def resume_config(cfg_dict: dict, world_size: int, reshardable: bool = False) -> dict:
+    """The flattened config a resumed run must share with the run it continues: the same world
+    size, or where the checkpoint is sharded (`reshardable`: it loads at any world size) the same
+    global batch, train.batch_size x the world size."""
     flat = {}
 
     def walk(node, prefix=""):
@@ -48,14 +55,17 @@ def resume_config(cfg_dict: dict, world_size: int) -> dict:
                 flat[key] = v
 
     walk(cfg_dict)
-    flat["world_size"] = world_size
+    if reshardable:
+        flat["global_batch"] = flat.pop("train.batch_size") * world_size
+    else:
+        flat["world_size"] = world_size
     return flat
 
 
-def config_digest(cfg_dict: dict, world_size: int) -> str:
-    """sha256 over the resolved config minus the neutral keys (config.NEUTRAL), plus the world
-    size."""
-    flat = resume_config(cfg_dict, world_size)
+def config_digest(cfg_dict: dict, world_size: int, reshardable: bool = False) -> str:
+    """sha256 over `resume_config`: the resolved config minus the neutral keys (config.NEUTRAL),
+    plus the world size or the global batch."""
+    flat = resume_config(cfg_dict, world_size, reshardable)
     return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -177,7 +187,7 @@ def load(path: str) -> dict:
     except Exception as e:  # torch raises several types for a damaged zip or pickle
         raise ConfigError(f"checkpoint {path} is unreadable, truncated or corrupted "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "step" not in ckpt:
+    if not isinstance(ckpt, dict) or "step" not in ckpt or not {"model", "layout"} & set(ckpt):
         raise ConfigError(f"checkpoint {path} is not a ddp_lab checkpoint (no model/step)")
     if "integrity" in ckpt and content_digest(ckpt) != ckpt["integrity"]:
         raise ConfigError(f"checkpoint {path} is corrupted: its contents do not match the sha256 "
@@ -191,7 +201,10 @@ def candidates(run_dir: str) -> list[str]:
     step_of = lambda p: int(re.search(r"checkpoint_step(\d+)\.pt$", p).group(1))
     ordered = sorted(kept, key=step_of, reverse=True)
     latest = os.path.join(run_dir, LATEST)
-    return ([latest] if os.path.exists(latest) else []) + ordered
+    # A sharded checkpoint's state (ddp_lab/sharded_checkpoint.py) is another config's: listed
+    # last, so that a run dir of ZeRO or FSDP is refused by its config, never started over.
+    sharded = sorted(glob.glob(os.path.join(run_dir, "checkpoint_step*", SHARDED_STATE)))
+    return ([latest] if os.path.exists(latest) else []) + ordered + sharded
 
 
 def _config_diff(old: dict | None, new: dict) -> str:
@@ -202,6 +215,18 @@ def _config_diff(old: dict | None, new: dict) -> str:
             if old.get(k, "<unset>") != new.get(k, "<unset>")]
     return (" Differences (checkpoint -> now): " + "; ".join(diff[:8])
             + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "") + ".") if diff else ""
+
+
+def check_config(ckpt: dict, path: str, digest: str, current: dict | None) -> None:
+    """The checkpoint at `path` was written by this config (`digest`), or a ConfigError that
+    names the differences (`current`: this run's resume_config)."""
+    if ckpt.get("config_digest") != digest:
+        raise ConfigError(
+            f"{path} was written by a different config (digest {ckpt.get('config_digest')} "
+            f"!= {digest}): resuming would not continue that run, so nothing was loaded or "
+            f"written.{_config_diff(ckpt.get('resume_config'), current or {})} Run the "
+            "original command again to continue it, or use another run dir "
+            "(hydra.run.dir=...), or train.resume=never to start over there.")
 
 
 def find_resumable(run_dir: str, resume: str, digest: str, log=print,
@@ -226,13 +251,7 @@ def find_resumable(run_dir: str, resume: str, digest: str, log=print,
             log(f"refusing {e}; trying the previous checkpoint")
             refused.append(str(e))
             continue
-        if ckpt.get("config_digest") != digest:
-            raise ConfigError(
-                f"{path} was written by a different config (digest {ckpt.get('config_digest')} "
-                f"!= {digest}): resuming would not continue that run, so nothing was loaded or "
-                f"written.{_config_diff(ckpt.get('resume_config'), current or {})} Run the "
-                "original command again to continue it, or use another run dir "
-                "(hydra.run.dir=...), or train.resume=never to start over there.")
+        check_config(ckpt, path, digest, current)
         return ckpt | {"path": path}
     if refused:
         raise ConfigError(
@@ -242,13 +261,16 @@ def find_resumable(run_dir: str, resume: str, digest: str, log=print,
     return None
 
 
-def resume(cfg_dict: dict, run_dir: str, resume_opt: str, world_size: int, log) -> dict | None:
-    """Collective: every rank picks its checkpoint (`find_resumable`), then the ranks check that
-    they agree (same step, same file) or fail together: a rank that resumed elsewhere, or one
-    that failed alone while the others wait in a collective, would hang or corrupt the run."""
-    digest = config_digest(cfg_dict, world_size)
+def resume(cfg_dict: dict, run_dir: str, resume_opt: str, world_size: int, log,
+           find=find_resumable, reshardable: bool = False) -> dict | None:
+    """Collective: every rank picks its checkpoint (`find`: checkpoint.pt's `find_resumable`, or
+    the sharded one's, which is `reshardable`), then the ranks check that they agree (same step,
+    same file) or fail together: a rank that resumed elsewhere, or one that failed alone while
+    the others wait in a collective, would hang or corrupt the run."""
+    digest = config_digest(cfg_dict, world_size, reshardable)
     try:
-        ckpt = find_resumable(run_dir, resume_opt, digest, log, resume_config(cfg_dict, world_size))
+        ckpt = find(run_dir, resume_opt, digest, log,
+                    resume_config(cfg_dict, world_size, reshardable))
         mine = ("ok", None if ckpt is None else (ckpt["step"], os.path.basename(ckpt["path"])))
     except ConfigError as e:
         ckpt, mine = None, ("error", str(e))

@@ -56,7 +56,7 @@ class TrainConfig:
     cuda_graph: bool = False
     cudnn_benchmark: bool = True  # CUDA only
     progress: bool = True  # progress bar on rank 0
-    resume: str = "auto"  # auto | never | path to a checkpoint
+    resume: str = "auto"  # auto | never | path to a checkpoint (sharded: its directory)
     # > 0: stop at this step as if interrupted (checkpoint written)
     # (a step past the run's last is refused: check_steps_reachable)
     stop_at_step: int = key(0, at_least=0)
@@ -104,9 +104,9 @@ def check_train(cfg) -> None:
         raise ConfigError("set train.epochs or train.max_steps to something > 0")
     if t.max_steps:
         check_steps_reachable(cfg, t.max_steps, "train.max_steps")
-    if t.resume not in ("auto", "never") and not os.path.isfile(t.resume):
+    if t.resume not in ("auto", "never") and not os.path.exists(t.resume):
         raise ConfigError(f"train.resume={t.resume!r} is not auto, never or an existing checkpoint "
-                          "file")
+                          "(a file, or a sharded checkpoint's directory)")
 
 
 def check_steps_reachable(cfg, total_steps: int, why: str) -> None:

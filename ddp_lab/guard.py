@@ -14,7 +14,9 @@
   reaches one.
 * Replicas. Every `train.consistency_every` steps (and at the end) the ranks compare an exact
   checksum of their parameters, computed on the device; a difference stops training with the
-  ranks named. The summary's per-rank digests come from the same checksum.
+  ranks named. The summary's per-rank digests come from the same checksum. (sync=fsdp: each
+  rank holds its rows of every parameter; the checksum is of the parameters gathered whole, and
+  the non-finite checks read this rank's rows, their flags all-reduced as everywhere.)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab.dist import TrainingError
+from ddp_lab.sync.base import local_tensor, whole_tensor
 
 log = logging.getLogger("ddp_lab")
 
@@ -80,7 +83,8 @@ class Guard:
             self._one = torch.ones(1, device=loss.device)
         # The optimizer's gradients: the model's, or with ZeRO this rank's shards of them (the
         # flags below are all-reduced, so every rank sees every shard's verdict).
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
         norms = torch._foreach_norm([loss, *grads], 1, dtype=torch.float32)
         if self.info.world_size == 1:
             # Made in the step (a graph replays it); a scalar, as fused AdamW's step counts are.
@@ -227,8 +231,9 @@ def _stateless(optimizer) -> bool:
 
 def assert_finite(model: torch.nn.Module, optimizer, step: int) -> None:
     """Collective, before a checkpoint: parameters and optimizer state must be finite everywhere."""
-    tensors = list(model.parameters()) + [v for s in optimizer.state.values() for v in s.values()
-                                          if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    tensors = [local_tensor(t) for t in model.parameters()] + [
+        local_tensor(v) for s in optimizer.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()]
     bad = ~torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all()
     device = tensors[0].device
     flag = bad.to(torch.float32).reshape(1).to(device)
@@ -259,7 +264,7 @@ def param_checksum(params) -> torch.Tensor:
     sum < 2^55); integer sums do not depend on reduction order, so equal bits give equal sums."""
     sums = []
     for p in params:
-        words = p.detach().reshape(-1).view(torch.int16)
+        words = whole_tensor(p.detach()).reshape(-1).view(torch.int16)
         key = words.device
         if key not in _WEIGHTS:
             _WEIGHTS[key] = (torch.arange(_CHUNK, device=key) % 65536) * 2 + 1

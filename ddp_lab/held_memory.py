@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ddp_lab.comm import kept_scratch
+from ddp_lab.sync.base import local_tensor
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "comm_buffer_bytes",
                "comm_scratch_bytes")
@@ -67,7 +68,7 @@ def _storage_bytes(tensors, seen: set) -> int:
     for t in tensors:
         if not torch.is_tensor(t):
             continue
-        st = t.untyped_storage()
+        st = local_tensor(t).untyped_storage()  # (sync=fsdp: a DTensor holds its shard)
         if st.nbytes() and st.data_ptr() not in seen:
             seen.add(st.data_ptr())
             total_bytes += st.nbytes()

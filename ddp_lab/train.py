@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from ddp_lab import checkpoint, provenance
+from ddp_lab import checkpoint, provenance, sharded_checkpoint
 from ddp_lab.cli import run_hydra_app, setup_logging
 from ddp_lab.config import Config, check_steps_reachable, validate
 from ddp_lab.held_memory import HeldMemory
@@ -42,6 +42,7 @@ from ddp_lab.optim import build_scheduler, float_lrs
 from ddp_lab.step import (Parts, TrainStep, build_parts, build_step, compiled_graphs,
                           time_local_backward)
 from ddp_lab.summary import write_summary
+from ddp_lab.sync.config import shards_state
 from ddp_lab.trace import Tracer
 
 log = logging.getLogger("ddp_lab")
@@ -149,7 +150,8 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     there is one. `closing` is shut before the process group goes."""
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     # Before anything is written: a run dir of another config is refused untouched.
-    resumed = checkpoint.resume(cfg_dict, run_dir, cfg.train.resume, info.world_size, log.warning)
+    resume = sharded_checkpoint.resume if shards_state(cfg.sync) else checkpoint.resume
+    resumed = resume(cfg_dict, run_dir, cfg.train.resume, info.world_size, log.warning)
     cfg = OmegaConf.to_object(cfg)
     ctx = RunContext(cfg, cfg_dict, run_dir, info, heartbeat)
     data = build_data(cfg, info.rank, info.world_size, info.device)
@@ -162,11 +164,12 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     scheduler = build_scheduler(parts.optimizer, cfg.optim, length.total_steps)
     checkpoint.check_keep_every(cfg.train.keep_every, cfg.train.checkpoint_every,
                                 length.steps_per_epoch)
-    if info.is_main:
-        for stale in checkpoint.clean_stale_temporaries(run_dir):
-            log.warning("removed stale temporary %s", stale)
     if resumed is not None:
         restore(parts, scheduler, resumed, info, length, cfg.train.accum_steps)
+    if info.is_main:  # (after restore: a checkpoint it refuses leaves the run dir untouched)
+        for stale in (checkpoint.clean_stale_temporaries(run_dir)
+                      + sharded_checkpoint.clean_stale_temporaries(run_dir)):
+            log.warning("removed stale temporary %s", stale)
     guard = Guard(cfg.train, info, parts.model, parts.precision.scaler, length.total_steps)
     faults = Faults(cfg.fault, info.rank, info.world_size, parts.model)
     logger = make_logger(run_dir, info.is_main)
@@ -213,11 +216,15 @@ def restore(parts: Parts, scheduler, resumed: dict, info: DistInfo, length: Leng
             accum_steps: int) -> None:
     """Continue from a checkpoint: weights, optimizer, schedule, loss scale, every RNG."""
     checkpoint.check_position(resumed, length.steps_per_epoch, accum_steps)
-    parts.model.load_state_dict(resumed["model"])
-    parts.sync.load_optimizer_state(parts.optimizer, resumed["optimizer"])  # ZeRO: its shard
+    if "layout" in resumed:  # sharded: each rank reads its part, at any world size
+        sharded_checkpoint.load(resumed, parts.sync, parts.model, parts.optimizer)
+    else:
+        parts.model.load_state_dict(resumed["model"])
+        parts.optimizer.load_state_dict(resumed["optimizer"])
     scheduler.load_state_dict(resumed["scheduler"])
     parts.precision.scaler.load_state_dict(resumed["scaler"])
-    checkpoint.set_rng_state(resumed["rng"][info.rank], info.device)
+    if info.rank < len(resumed["rng"]):  # (a rank the writing run did not have keeps its seed)
+        checkpoint.set_rng_state(resumed["rng"][info.rank], info.device)
     log.info("resumed from %s at step %d", resumed["path"], length.start_step)
 
 
@@ -367,23 +374,27 @@ def evaluate(run: Run, progress: Progress, step: int) -> None:
 
 
 def save_checkpoint(run: Run, step: int) -> None:
-    """Rank 0 writes everything the next step depends on; every rank waits until it is on disk."""
+    """Everything the next step depends on: rank 0 writes checkpoint.pt, or where each rank holds
+    a part (ZeRO, FSDP) each writes its own shards. Every rank waits until it is on disk."""
     parts, ctx = run.parts, run.ctx
     assert_finite(parts.model, parts.optimizer, step)  # a NaN never reaches a checkpoint
     rng = checkpoint.gather_rng_states(ctx.info.device)
-    optimizer = parts.sync.optimizer_state(parts.optimizer)  # collective: ZeRO gathers the shards
-    if ctx.info.is_main:
-        spe, accum = run.length.steps_per_epoch, ctx.cfg.train.accum_steps
-        state = {"model": parts.model.state_dict(),
-                 **float_lrs(parts.optimizer, run.scheduler, optimizer),
-                 "scaler": parts.precision.scaler.state_dict(), "step": step,
-                 "epoch": step // spe, "epoch_batch": (step % spe) * accum, "rng": rng,
-                 "config_digest": checkpoint.config_digest(ctx.cfg_dict, ctx.info.world_size),
-                 "world_size": ctx.info.world_size,
-                 "resume_config": checkpoint.resume_config(ctx.cfg_dict, ctx.info.world_size)}
+    sharded, n = shards_state(ctx.cfg.sync), ctx.info.world_size
+    spe, accum = run.length.steps_per_epoch, ctx.cfg.train.accum_steps
+    state = {"scaler": parts.precision.scaler.state_dict(), "step": step,
+             "epoch": step // spe, "epoch_batch": (step % spe) * accum, "rng": rng,
+             "config_digest": checkpoint.config_digest(ctx.cfg_dict, n, sharded),
+             "world_size": n, "resume_config": checkpoint.resume_config(ctx.cfg_dict, n, sharded)}
+    if sharded:  # the optimizer's tensors go in the shards, its hyperparameters here
+        state |= float_lrs(parts.optimizer, run.scheduler,
+                           {"param_groups": sharded_checkpoint.hyperparameters(parts.optimizer)})
+        paths = [sharded_checkpoint.save(parts.sync, parts.model, parts.optimizer, state,
+                                         ctx.run_dir, step, ctx.cfg.train.keep_every)]
+    elif ctx.info.is_main:
+        state |= {"model": parts.model.state_dict(), **float_lrs(parts.optimizer, run.scheduler)}
         paths = checkpoint.save(state, ctx.run_dir, step, ctx.cfg.train.keep_every)
-        log.info("step %d: checkpoint saved (%s)", step,
-                 ", ".join(os.path.basename(p) for p in paths))
+    if ctx.info.is_main:
+        log.info("step %d: checkpoint saved (%s)", step, ", ".join(map(os.path.basename, paths)))
     dist.barrier()  # nobody runs ahead of a checkpoint that is not on disk yet
 
 

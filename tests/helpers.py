@@ -7,6 +7,7 @@ import json
 import os
 
 import torch
+from ddp_lab import sharded_checkpoint
 from ddp_lab.cli import compose
 from launchers import ranks
 
@@ -89,8 +90,24 @@ def bench_rows(proc, run_dir, name: str, plot: bool = True) -> list[dict]:
     return rows
 
 
+def training_state(run_dir) -> dict:
+    """The run's last checkpoint: its step, schedule and every tensor by key. checkpoint.pt's
+    model and optimizer state, or (sync.zero>=1, sync=fsdp) the newest sharded checkpoint's
+    tensors, read whole in this process (ddp_lab.sharded_checkpoint.read_whole)."""
+    path = os.path.join(run_dir, "checkpoint.pt")
+    if not os.path.exists(path):
+        c = sharded_checkpoint.read_whole(sharded_checkpoint.candidates(str(run_dir))[0])
+        return {"step": c["step"], "scheduler": c["scheduler"], "tensors": c["tensors"]}
+    c = torch.load(path, map_location="cpu", weights_only=True)
+    optim = {f"optim.{i}.{k}": v for i, s in c["optimizer"]["state"].items() for k, v in s.items()}
+    return {"step": c["step"], "scheduler": c["scheduler"],
+            "tensors": {**{f"model.{k}": v for k, v in c["model"].items()}, **optim}}
+
+
 def final_params(run_dir) -> dict[str, torch.Tensor]:
-    return torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["model"]
+    """The model's parameters in the run's last checkpoint (checkpoint.pt, or sharded: whole)."""
+    tensors = training_state(run_dir)["tensors"]
+    return {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
 
 
 def max_abs_diff(a: dict, b: dict) -> float:

@@ -48,7 +48,7 @@ def test_the_extension_points_hold_their_entries_in_the_order_listings_show():
 
     assert comm.ALGOS == ("naive", "ring", "tree", "native")
     assert comm.OURS == ("naive", "ring", "tree")
-    assert SYNCS.names() == ("none", "ddp", *comm.OURS)
+    assert SYNCS.names() == ("none", "ddp", *comm.OURS, "fsdp")
     assert all(SYNCS[a] is BucketedSync for a in comm.OURS)
     assert MODELS.names() == ("alexnet", "alexnet_cifar")
     assert DATASETS.names() == ("digits", "synthetic", "cifar10", "imagefolder")

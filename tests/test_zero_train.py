@@ -154,10 +154,10 @@ def test_zero2_sends_the_all_reduce_s_bytes_at_two_ranks(launched, small_referen
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("zero", [1, 2])
 def test_stop_and_resume_is_bitwise_the_uninterrupted_run(zero, resumed):
-    """train.stop_at_step=4, then the same command again: parameters and the (gathered,
-    unsharded) optimizer state equal the uninterrupted run's bitwise."""
+    """train.stop_at_step=4, then the same command again: parameters and every rank's shards of
+    the optimizer state (a sharded checkpoint) equal the uninterrupted run's bitwise."""
     ref, run = resumed[zero]
-    assert f"resumed from {run}/checkpoint.pt at step 4" in train_log(run)
+    assert f"resumed from {run}/checkpoint_step4 at step 4" in train_log(run)
     assert_same_training_state(run, ref)
 
 

@@ -268,8 +268,14 @@ def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, z
       ddp: gradients P; its buckets and scratch are inside its C++ reducer and the backend (None:
         not counted); zero=1 state P/N (ZeroRedundancyOptimizer assigns whole parameters: a
         rank's share can be uneven).
+      fsdp: torch's fully_shard: parameters, gradients and state P/N each (every parameter's
+        dim 0 cut in N, the last piece padded); its gathered units and reduce buffers are its own
+        (None: not counted).
     AdamW's step counters (4 B per tensor) are left out."""
     n, p = world_size, sum(numels) * elem
+    if sync == "fsdp":
+        return {"params_bytes": p / n, "grads_bytes": p / n, "optimizer_state_bytes": states * p / n,
+                "comm_buffer_bytes": None, "comm_scratch_bytes": None}
     ours, sharded = sync not in ("ddp", "none"), zero >= 1
     out = {"params_bytes": p, "grads_bytes": p / n if ours and sharded else p,
            "optimizer_state_bytes": states * p / (n if sharded else 1),

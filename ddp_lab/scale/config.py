@@ -85,7 +85,7 @@ class ScaleConfig:
     profile: str = "auto"  # auto | cpu | gpu: default point settings (model, batch, steps, ...)
     point_timeout_s: float = 0.0  # 0: 300 on CPU, 600 on GPU
     threads_per_rank: int = 0  # CPU points: OMP threads per rank, the same at every N; 0: auto
-    keep_checkpoints: bool = False  # points' checkpoint.pt are deleted after reading the summary
+    keep_checkpoints: bool = False  # points' checkpoints are deleted after reading the summary
     emit: str = "none"  # none | torchrun | slurm: print multi-node command lines instead of running
     nodes: list[int] = field(default_factory=lambda: [1, 2, 4])  # emit: node counts
     gpus_per_node: int = 0  # emit: 0 = local GPU count (8 without GPUs)

@@ -5,6 +5,7 @@ how busy the machine was with anything else while it ran (Linux)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -81,10 +82,9 @@ def launch(point: Point, env: dict, timeout_s: float, keep_checkpoints: bool) ->
         if os.path.exists(info_path):
             with open(info_path) as f:
                 point.config = json.load(f).get("config", point.config)
-    if not keep_checkpoints:
-        for name in os.listdir(point.run_dir):
-            if name.startswith("checkpoint") and name.endswith(".pt"):
-                os.remove(os.path.join(point.run_dir, name))
+    if not keep_checkpoints:  # checkpoint*.pt, and sharded ones' directories (ZeRO, FSDP)
+        for path in glob.glob(os.path.join(point.run_dir, "checkpoint*")):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def cpu_seconds() -> tuple[float, float]:

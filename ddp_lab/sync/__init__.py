@@ -8,11 +8,13 @@ from ddp_lab.dist import DistInfo
 from ddp_lab.errors import ConfigError
 from ddp_lab.sync.base import GradSync
 from ddp_lab.sync.config import SYNCS, SyncConfig
-# Imported, so registered, in the order listings show: nothing, torch's reference, then ours.
+# Imported, so registered, in the order listings show: nothing, torch's DDP, ours, then torch's
+# FSDP (the reference for ZeRO-3, sharded as ours are).
 from ddp_lab.sync.none import NoSync
 from ddp_lab.sync.ddp import DDPSync
 from ddp_lab.sync.bucketed import BucketedSync
 from ddp_lab.sync.zero import ShardedSync
+from ddp_lab.sync.fsdp import FSDPSync
 
 
 def build_sync(scfg, info: DistInfo) -> GradSync:
@@ -28,5 +30,5 @@ def build_sync(scfg, info: DistInfo) -> GradSync:
     return sync(scfg, info.device, info.world_size)
 
 
-__all__ = ["BucketedSync", "DDPSync", "GradSync", "NoSync", "SYNCS", "ShardedSync", "SyncConfig",
+__all__ = ["BucketedSync", "DDPSync", "FSDPSync", "GradSync", "NoSync", "SYNCS", "ShardedSync", "SyncConfig",
            "build_sync"]

@@ -5,8 +5,8 @@ The loop does, every step:
     ... forward + backward ...                         # last micro-step: communication starts
     sync.finish()                                      # grads are now averaged over all ranks
 and never asks which algorithm it is talking to. The optimizer is the sync's too
-(`build_optimizer`): with ZeRO (sync.zero) each rank's optimizer holds and updates only its
-shard, so clipping, loss-scale checks and checkpoints of the optimizer go through the sync.
+(`build_optimizer`): with ZeRO (sync.zero) or FSDP each rank's optimizer holds and updates only
+its shard, so clipping, loss-scale checks and checkpoints go through the sync.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class GradSync:
@@ -67,13 +68,20 @@ class GradSync:
         """Clip the optimizer's gradients to a global L2 norm of `max_norm`; return the norm."""
         return torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm)
 
-    def optimizer_state(self, optimizer) -> dict | None:
-        """Collective: the optimizer's whole (unsharded) state dict, complete on rank 0."""
-        return optimizer.state_dict()
+    # ---- checkpoints. Whole copies (sync.zero=0): rank 0 writes checkpoint.pt from the model's
+    #      and optimizer's state dicts (ddp_lab/checkpoint.py). Where each rank holds a part
+    #      (ZeRO, FSDP: sync.config.shards_state), each writes its own through these two
+    #      (ddp_lab/sharded_checkpoint.py) ----
 
-    def load_optimizer_state(self, optimizer, state: dict) -> None:
-        """Load a whole (unsharded) state dict, as `optimizer_state` makes them."""
-        optimizer.load_state_dict(state)
+    def state_shards(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
+        """This rank's part of the model's and the optimizer's tensors, by key, as DCP writes
+        them (tensors or DTensors), and the layout (plain data) that says how they are cut."""
+        raise NotImplementedError(f"sync={self.name} keeps whole copies: checkpoint.pt")
+
+    def load_state_shards(self, model: nn.Module, optimizer, shards, layout: dict) -> None:
+        """This rank's part of a checkpoint `state_shards` wrote at any world size, read through
+        `shards` (ddp_lab.sharded_checkpoint.Shards: collective, as DCP is)."""
+        raise NotImplementedError(f"sync={self.name} keeps whole copies: checkpoint.pt")
 
     def kept_grads(self) -> list[torch.Tensor]:
         """Gradient tensors the sync keeps across steps beside the parameters' `.grad` (ZeRO: the
@@ -84,6 +92,16 @@ class GradSync:
         """The sync's own buffers (buckets, scratch) for the memory count (summary.json); None
         where they cannot be counted."""
         return []
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard (sync=fsdp), any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """All of `t`: a DTensor gathered from every rank (a collective), any other tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _params(optimizer) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ SYNCS = Registry("sync algorithm", "sync")
 
 @dataclass
 class SyncConfig:
-    name: str = key(MISSING, choices=SYNCS)  # none | ddp | naive | ring | tree
+    name: str = key(MISSING, choices=SYNCS)  # none | ddp | naive | ring | tree | fsdp
     # sync=none communicates nothing: any of these off its default is refused there.
     # Gradient bucket size (MiB), ours and DDP's (its bucket_cap_mb); 0: a bucket per parameter
     bucket_mb: float = key(DEFAULT_BUCKET_MB, at_least=0, read_by=SYNCS)
@@ -51,10 +51,24 @@ class SyncConfig:
     compress_start: int = key(0, at_least=0, only_with=("compress", ("powersgd", "topk")))
     # PowerSGD compresses a matrix only where (rows + cols) r x this < rows x cols (torch's rule)
     min_compression_rate: float = key(2.0, positive=True, only_with=("compress", ("powersgd",)))
+    # Sharded parameters (sync=fsdp): free a unit's gathered parameters after its forward and
+    # gather them again for backward (true), or keep them until backward (false: one all-gather
+    # fewer a step, every unit's whole parameters held between forward and backward)
+    reshard_after_forward: bool = key(True, read_by=SYNCS)
+
+
+def shards_state(scfg) -> bool:
+    """Whether each rank holds only part of the training state (ZeRO, FSDP): its checkpoints are
+    then sharded (ddp_lab/sharded_checkpoint.py), not checkpoint.pt."""
+    return scfg.name == "fsdp" or scfg.zero > 0
 
 
 def check_sync(cfg) -> None:
     s = cfg.sync
+    if s.name == "fsdp" and cfg.optim.name == "sgd" and cfg.optim.impl == "fused":
+        raise ConfigError("optim.impl=fused with sync=fsdp and optim=sgd: torch has no fused SGD "
+                          "for DTensor parameters (aten._fused_sgd_); use optim.impl=foreach "
+                          "(auto picks it)")
     if s.name == "ddp" and s.zero > 1:
         raise ConfigError(f"sync.zero={s.zero} with sync=ddp: torch's ZeroRedundancyOptimizer "
                           f"shards optimizer state only (ZeRO-1); use sync.zero=1, or "

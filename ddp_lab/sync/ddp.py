@@ -194,11 +194,31 @@ class DDPSync(GradSync):
     def comm_buffers(self):
         return None  # DDP's buckets live inside its C++ reducer: not counted
 
-    def optimizer_state(self, optimizer) -> dict | None:
-        if not self.cfg.zero:
-            return super().optimizer_state(optimizer)
-        optimizer.consolidate_state_dict(to=0)  # collective: every rank's part, to rank 0
-        return optimizer.state_dict() if dist.get_rank() == 0 else None
+    # ---- checkpoints at sync.zero=1: each rank writes the state of the parameters it updates ----
+
+    def state_shards(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
+        """The model's tensors (every rank holds them: DCP writes each once) and the state of
+        the whole parameters ZeroRedundancyOptimizer gave this rank, `optim.<name>.<state>`."""
+        tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+        names = {p: name for name, p in model.named_parameters()}
+        for p, state in optimizer.optim.state.items():
+            tensors.update({f"optim.{names[p]}.{k}": v for k, v in state.items()})
+        kinds = sorted(next(iter(optimizer.optim.state.values()), {}))
+        return tensors, {"world_size": self.world_size, "state": kinds}
+
+    def load_state_shards(self, model: nn.Module, optimizer, shards, layout: dict) -> None:
+        """The model, and the state of the parameters this rank updates now (at another world
+        size ZeroRedundancyOptimizer deals them out again: other ranks wrote some)."""
+        request = {f"model.{k}": v for k, v in model.state_dict().items()}
+        names = {p: name for name, p in model.named_parameters()}
+        local = optimizer.optim
+        mine = [names[p] for group in local.param_groups for p in group["params"]]
+        keys = {(name, k): f"optim.{name}.{k}" for name in mine for k in layout["state"]}
+        request.update({key: shards.empty(key) for key in keys.values()})
+        shards.read(request)  # collective
+        state = {i: {k: request[keys[name, k]] for k in layout["state"]}
+                 for i, name in enumerate(mine)}
+        local.load_state_dict({"state": state, "param_groups": local.state_dict()["param_groups"]})
 
     def bytes_per_step(self) -> int:
         """Bus bytes of the last step (nccl-tests' convention; see the module)."""

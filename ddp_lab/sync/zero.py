@@ -33,9 +33,11 @@ everything else that reads gradients reads the shards'
     are all-reduced anyway), clipping (`clip_grad_norm_`: the shards' squared norms summed over
     the ranks).
 checkpoints
-    `optimizer_state` gathers every rank's shards into the state dict the unsharded optimizer
-    would have (per parameter, in model order: what zero=0 writes); `load_optimizer_state` takes
-    this rank's shard of one. A checkpoint is the same at any stage and loads at any world size.
+    Each rank writes its own shards, nothing is gathered (ddp_lab/sharded_checkpoint.py):
+    `state_shards` gives DCP each bucket's optimizer state as this rank's flat shard under a key
+    of its own, with an offsets map (where each rank's shard lies in its bucket) in the layout.
+    At M ranks the buckets are the same and only the cuts move: `load_state_shards` reads the
+    saved shards that overlap this rank's new one and cuts it out of them.
 memory per rank (P parameter bytes, fp32)
     parameters P; gradients P/N (the shards'); optimizer state k P / N (k = 1 for SGD momentum,
     2 for AdamW); buckets P at zero=1 (the all-reduce needs the whole), the largest bucket at
@@ -60,7 +62,6 @@ class ShardedSync(BucketedSync):
         super().__init__(scfg, device, world_size, group)
         self.stage = int(scfg.zero)
         self.rank = dist.get_rank(group)
-        self.model_params: list[nn.Parameter] = []  # every parameter, model order (checkpoints)
         self.flats: list[torch.Tensor] = []  # per bucket: its parameters, one flat buffer
         self.shards: list[torch.Tensor] = []  # per bucket: this rank's shard of it (a view)
         self.grads: list[torch.Tensor] = []  # per bucket: the shard's gradient, kept across steps
@@ -69,7 +70,6 @@ class ShardedSync(BucketedSync):
 
     def prepare(self, model: nn.Module) -> nn.Module:
         super().prepare(model)  # rank 0's parameters everywhere, buckets, hooks
-        self.model_params = list(model.parameters())
         with torch.no_grad():
             for bucket in self.buckets:
                 flat = _flat_params(bucket)
@@ -144,11 +144,7 @@ class ShardedSync(BucketedSync):
         return optimizer
 
     def grad_scaler(self, scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
-        if not scaler.is_enabled():
-            return scaler
-        return ShardedScaler(scaler._device, scaler._init_scale, scaler._growth_factor,  # noqa: SLF001
-                             scaler._backoff_factor, scaler._growth_interval,  # noqa: SLF001
-                             group=self.group)
+        return ShardedScaler.like(scaler, self.group)
 
     def clip_grad_norm_(self, optimizer, max_norm: float) -> torch.Tensor:
         """torch's clip_grad_norm_ over the whole gradient, from the shards: the global norm is
@@ -162,47 +158,68 @@ class ShardedSync(BucketedSync):
         torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
-    def optimizer_state(self, optimizer) -> dict | None:
-        """Collective: rank 0 gets every rank's shards as one unsharded state dict."""
-        mine = optimizer.state_dict()
-        local = {b: {k: _cpu(v) for k, v in s.items()} for b, s in mine["state"].items()}
-        every = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(local, every, dst=_global(self.group, 0), group=self.group)
-        if self.rank != 0:
-            return None
-        index = {id(p): i for i, p in enumerate(self.model_params)}
-        state = {}
-        for b, bucket in enumerate(self.buckets):
-            if b not in every[0]:
-                continue  # no state yet (before the first step)
-            whole = {k: v if k in SCALARS else torch.cat([s[b][k] for s in every])
-                     for k, v in every[0][b].items()}
-            for p, off in _offsets(bucket):
-                state[index[id(p)]] = {k: (v if k in SCALARS else view_like(v, off, p)).clone()
-                                       for k, v in whole.items()}
-        groups = [dict(g, params=list(range(len(self.model_params))))
-                  for g in mine["param_groups"]]
-        return {"state": state, "param_groups": groups}
+    # ---- checkpoints: each rank writes its shards; they load at any world size ----
 
-    def load_optimizer_state(self, optimizer, state: dict) -> None:
-        """This rank's shards of an unsharded state dict (any stage, any world size wrote it)."""
-        index = {id(p): i for i, p in enumerate(self.model_params)}
-        shards = {}
-        for b, bucket in enumerate(self.buckets):
-            first = state["state"].get(index[id(bucket.params[0])])
-            if first is None:
-                continue  # (a checkpoint of step 0)
-            shards[b] = {}
-            for k, v in first.items():
-                if k in SCALARS:
-                    shards[b][k] = v
-                    continue
-                flat = torch.empty(self.flats[b].numel(), dtype=v.dtype)
-                for p, off in _offsets(bucket):
-                    view_like(flat, off, p).copy_(state["state"][index[id(p)]][k])
-                shards[b][k] = comm.shard(flat, self.rank, self.world_size).clone()
-        groups = [dict(g, params=list(range(len(self.shards)))) for g in state["param_groups"]]
-        optimizer.load_state_dict({"state": shards, "param_groups": groups})
+    def state_shards(self, model, optimizer) -> tuple[dict, dict]:
+        """The model's tensors (every rank holds them whole: DCP writes each once), and this
+        rank's shard of each bucket's optimizer state under a key of its own,
+        `optim.<bucket>.<state>.<rank>`; the layout says where each rank's shard lies in its
+        bucket (the offsets map) and which state there is."""
+        tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+        keys = sorted(optimizer.state[self.shards[0]]) if self.shards else []
+        for b, shard in enumerate(self.shards):
+            for key in keys:
+                tensors[f"optim.{b}.{key}.{self.rank}"] = optimizer.state[shard][key]
+        buckets = [{"numel": flat.numel(), "shards": shard_ranges(flat.numel(), self.world_size)}
+                   for flat in self.flats]
+        return tensors, {"world_size": self.world_size, "buckets": buckets, "state": keys}
+
+    def load_state_shards(self, model, optimizer, shards, layout: dict) -> None:
+        """The model whole, and this rank's shard of each bucket's state cut out of the saved
+        shards it overlaps (at any world size the buckets are the same; only where they are cut
+        moves). A per-shard value (`step`) is the same in every shard: rank 0's is read."""
+        if [b["numel"] for b in layout["buckets"]] != [f.numel() for f in self.flats]:
+            raise ConfigError(f"checkpoint {shards.path}: its buckets are not this run's "
+                              "(another model or sync.bucket_mb): nothing was loaded")
+        request = {f"model.{k}": v for k, v in model.state_dict().items()}
+        wanted = {}  # (bucket, state) -> [(the key of a saved shard we need, where it lies)]
+        for b, saved in enumerate(layout["buckets"]):
+            mine = shard_ranges(saved["numel"], self.world_size)[self.rank]
+            for key in layout["state"]:
+                wanted[b, key] = [(f"optim.{b}.{key}.{r}", where)
+                                  for r, where in enumerate(saved["shards"])
+                                  if (r == 0 if key in SCALARS else _overlap(where, mine))]
+                request.update({name: shards.empty(name) for name, _ in wanted[b, key]})
+        shards.read(request)  # collective: one read of everything
+        state = {b: {} for b in range(len(self.shards))}
+        for (b, key), pieces in wanted.items():
+            mine = shard_ranges(layout["buckets"][b]["numel"], self.world_size)[self.rank]
+            dtype = shards.dtype(f"optim.{b}.{key}.0")
+            state[b][key] = (request[pieces[0][0]] if key in SCALARS else
+                             _cut([(request[name], where) for name, where in pieces], mine, dtype))
+        optimizer.load_state_dict({"state": state,
+                                   "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def _overlap(a: list[int], b: list[int]) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1])
+
+
+def _cut(pieces: list[tuple[torch.Tensor, list[int]]], mine: list[int], dtype) -> torch.Tensor:
+    """Elements [start, stop) of a flat tensor, from `pieces`: (a part of it, where that lies)."""
+    out = torch.empty(mine[1] - mine[0], dtype=dtype)
+    for piece, (s, e) in pieces:
+        lo, hi = max(s, mine[0]), min(e, mine[1])
+        out[lo - mine[0]:hi - mine[0]] = piece[lo - s:hi - s]
+    return out
+
+
+def shard_ranges(numel: int, world_size: int) -> list[list[int]]:
+    """Where each rank's shard (`comm.shard`: torch.tensor_split's pieces) lies in `numel`
+    elements: [start, stop) per rank, the first numel % world_size one element longer."""
+    size, longer = divmod(numel, world_size)
+    starts = [r * size + min(r, longer) for r in range(world_size + 1)]
+    return [[starts[r], starts[r + 1]] for r in range(world_size)]
 
 
 # Optimizer state with one value per parameter (per shard here), not one per element.
@@ -219,6 +236,14 @@ class ShardedScaler(torch.amp.GradScaler):
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval)
         self.group = group
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler, group=None) -> torch.amp.GradScaler:
+        """`scaler`'s settings, its verdicts agreed over `group` (a disabled one as it is)."""
+        if not scaler.is_enabled():
+            return scaler
+        return cls(scaler._device, scaler._init_scale, scaler._growth_factor,  # noqa: SLF001
+                   scaler._backoff_factor, scaler._growth_interval, group=group)  # noqa: SLF001
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
@@ -250,11 +275,3 @@ def _offsets(bucket: Bucket):
     for p in bucket.params:
         yield p, off
         off += p.numel()
-
-
-def _cpu(v):
-    return v.detach().cpu() if torch.is_tensor(v) else v
-
-
-def _global(group, rank: int) -> int:
-    return dist.get_global_rank(group, rank) if group is not None else rank

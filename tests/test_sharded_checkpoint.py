@@ -1,0 +1,296 @@
+"""Sharded checkpoints (ddp_lab/sharded_checkpoint.py: sync.zero>=1, sync=fsdp) on real gloo
+groups: each rank's shards written at N ranks load at M ranks and save back the same state
+(ZeRO's flat shards cut again from the offsets map, torch's ZeRO-1 dealing whole parameters out
+again, FSDP's DTensors resharded by DCP), AdamW's `step` included; damage and a model that does
+not match are refused in one line and leave the checkpoint as it was; end to end, a 2-rank
+`sync=ring sync.zero=2` run stopped at step 2 continues at 1 and at 3 ranks as the uninterrupted
+1-rank run does.
+
+Tolerance of the end-to-end continuation: SGD, the same global batch (the same samples in each
+step: ddp_lab/data/streams.py), the sums in another order at each world size: a few ulp of a
+weight a step, held to 1e-6 as every SGD comparison of ranks against one process is."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from ddp_lab import checkpoint, comm, sharded_checkpoint
+from ddp_lab.errors import ConfigError
+from background import background
+from helpers import check, training_state
+from launchers import ranks, spawn
+from reliab_helpers import NO_DROPOUT, train_log
+from test_bad_input import snapshot
+from test_fsdp import fsdp_cfg
+from test_sync import batch, make_model
+from test_zero import make_sync, scfg
+
+STEP = 4  # the checkpoint's step (the small CNN's training steps before it)
+MORE = 2  # and the steps after it
+KINDS = {"ring-zero2": scfg("ring", 2), "ddp-zero1": scfg("ddp", 1), "fsdp": fsdp_cfg()}
+
+
+def _fresh(rank, n, kind, wide=False):
+    """A sync, model and AdamW over what this rank updates, before any step: ZeRO-2 (ring),
+    torch's ZeRO-1 (ZeroRedundancyOptimizer) or FSDP. `wide`: another model, its first
+    convolution 5 channels wide instead of 4."""
+    model = make_model(seed=rank)  # (rank 0's parameters are broadcast)
+    if wide:
+        model[0], model[3] = torch.nn.Conv2d(3, 5, 3), torch.nn.Linear(5 * 6 * 6, 10)
+    sync = make_sync(KINDS[kind], n)
+    wrapped = sync.prepare(model)
+    return sync, model, wrapped, sync.build_optimizer(model, torch.optim.AdamW,
+                                                      dict(lr=1e-3, fused=True))
+
+
+def _steps(rank, run, steps) -> None:
+    sync, _, wrapped, opt = run
+    for step in steps:
+        x, y = batch(rank, step, 0)
+        torch.nn.functional.cross_entropy(wrapped(x), y).backward()
+        sync.finish()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _save(run, run_dir):
+    sync, model, _, opt = run
+    n = sync.world_size
+    state = {"step": STEP, "config_digest": checkpoint.config_digest(_cfg(n), n, True),
+             "optimizer": {"param_groups": sharded_checkpoint.hyperparameters(opt)}}
+    return sharded_checkpoint.save(sync, model, opt, state, str(run_dir), STEP, keep_every=0)
+
+
+def _cfg(n: int) -> dict:
+    """The config of a checkpoint here (its digest): the same global batch at any world size."""
+    return {"train": {"batch_size": 24 // n}}
+
+
+def _resumed(rank, n, kind, run_dir, wide=False):
+    """At n ranks, what a resumed run does: find the run dir's checkpoint, check it (its config,
+    every file) and load it."""
+    run = _fresh(rank, n, kind, wide)
+    resumed = sharded_checkpoint.resume(_cfg(n), str(run_dir), "auto", n, log=print)
+    sharded_checkpoint.load(resumed, run[0], run[1], run[3])
+    return run
+
+
+def _state(run) -> list[torch.Tensor]:
+    """This rank's parameters and optimizer state, as tensors."""
+    _, model, _, opt = run
+    opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: this rank's part
+    tensors = [*model.parameters(), *(s[k] for s in opt.state.values() for k in sorted(s))]
+    return [t.to_local() if hasattr(t, "to_local") else t.detach().clone() for t in tensors]
+
+
+def _write_and_continue(rank, n, run_dirs):
+    """Per kind: STEP steps, a checkpoint, MORE steps; then the checkpoint loaded in a fresh
+    run and the same MORE steps: bitwise the same parameters and state?"""
+    out = {}
+    for kind, run_dir in run_dirs.items():
+        run = _fresh(rank, n, kind)
+        _steps(rank, run, range(STEP))
+        _save(run, run_dir)
+        _steps(rank, run, range(STEP, STEP + MORE))
+        again = _resumed(rank, n, kind, run_dir)
+        _steps(rank, again, range(STEP, STEP + MORE))
+        out[kind] = all(torch.equal(a, b) for a, b in zip(_state(run), _state(again)))
+        run[0].close(), again[0].close()
+    return out
+
+
+def _load_then_write(rank, m, run_dirs, new_dirs):
+    """At m ranks: per kind, load the checkpoint in run_dirs[kind] and write it into new_dirs."""
+    for kind, run_dir in run_dirs.items():
+        run = _resumed(rank, m, kind, run_dir)
+        _save(run, new_dirs[kind])
+        run[0].close()
+
+
+def whole(path) -> dict:
+    """Every tensor of a checkpoint, ZeRO's flat shards joined into their bucket's whole (their
+    keys end in the rank: `optim.<bucket>.<state>.<rank>`), by key."""
+    read = sharded_checkpoint.read_whole(path)
+    tensors, layout = read["tensors"], read["layout"]
+    if "buckets" not in layout:
+        return tensors
+    joined = {k: v for k, v in tensors.items() if k.startswith("model.")}
+    for b in range(len(layout["buckets"])):
+        for key in layout["state"]:
+            parts = [tensors[f"optim.{b}.{key}.{r}"] for r in range(layout["world_size"])]
+            joined[f"optim.{b}.{key}"] = parts[0] if key == "step" else torch.cat(parts)
+    return joined
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Per kind: the run dir of a checkpoint written at 2 ranks, and whether continuing from it
+    equals training on (on each rank)."""
+    dirs = {kind: str(tmp_path_factory.mktemp(f"written-{kind}")) for kind in KINDS}
+    return dirs, spawn(_write_and_continue, 2, dirs, timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_continuing_from_a_checkpoint_at_2_ranks_is_bitwise_training_on(written):
+    """ZeRO-2, torch's ZeRO-1 and FSDP: MORE AdamW steps after loading the checkpoint leave every
+    rank's parameters and optimizer state bitwise where MORE steps straight on leave them."""
+    assert written[1] == [{kind: True for kind in KINDS}] * 2
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoint_written_at_2_ranks_loads_at_1_and_3_unchanged(written, tmp_path):
+    """Loaded at 1 and at 3 ranks and written again, every tensor is what the 2 ranks wrote,
+    bitwise (ZeRO's shards joined whole: they are cut elsewhere), AdamW's per-parameter (ZeRO:
+    per-shard) `step` included, which is STEP."""
+    dirs = written[0]
+    saved = {kind: whole(_checkpoint(d)) for kind, d in dirs.items()}
+    for kind, tensors in saved.items():
+        steps = [v for k, v in tensors.items() if k.endswith(".step")]
+        assert steps and all(float(s) == STEP for s in steps), (kind, steps)
+    for m in (1, 3):
+        new = {kind: str(tmp_path / f"{kind}-at-{m}") for kind in KINDS}
+        spawn(_load_then_write, m, dirs, new, timeout=100)
+        for kind, tensors in saved.items():
+            again = whole(_checkpoint(new[kind]))
+            assert again.keys() == tensors.keys()
+            assert all(torch.equal(again[k], v) for k, v in tensors.items()), (m, kind)
+
+
+def _checkpoint(run_dir) -> str:
+    return os.path.join(run_dir, f"checkpoint_step{STEP}")
+
+
+def test_shard_ranges_are_where_comm_shard_cuts():
+    from ddp_lab.sync.zero import shard_ranges
+
+    for numel in (0, 1, 5, 10, 11, 1031):
+        for n in (1, 2, 3, 4, 7):
+            flat = torch.arange(numel)
+            assert [flat[s:e].tolist() for s, e in shard_ranges(numel, n)] == \
+                [comm.shard(flat, r, n).tolist() for r in range(n)]
+
+
+# ---- damage, and another model: refused in one line, nothing changed ----------------------------
+
+def _refusals(rank, n, run_dirs):
+    """Per run dir: the ConfigError resuming from it raises (None: none)."""
+    out = {}
+    for name, run_dir in run_dirs.items():
+        try:
+            _resumed(rank, n, "ring-zero2", run_dir, wide=name == "another model")[0].close()
+            out[name] = None
+        except ConfigError as e:
+            out[name] = str(e)
+    return out
+
+
+def _flip_a_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/ddp_lab_pwned_dcp",))
+
+
+def _pickled_code(path):
+    import pickle
+
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Exploit(), f)
+
+
+DAMAGE = {  # what is done to a copy of the checkpoint -> what the refusal says
+    "a flipped byte in a shard": (lambda p: _flip_a_byte(os.path.join(p, "__1_0.distcp")),
+                                  "is damaged: __1_0.distcp does not match the sha256"),
+    "a missing shard": (lambda p: os.remove(os.path.join(p, "__0_0.distcp")),
+                        "is damaged: __0_0.distcp is missing"),
+    "a truncated state.pt": (lambda p: os.truncate(os.path.join(p, "state.pt"), 100),
+                             "state.pt is unreadable, truncated or corrupted"),
+}
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_checkpoint_or_another_model_is_refused_on_every_rank_and_left_as_it_is(
+        written, tmp_path):
+    """Copies of the ZeRO-2 run dir, each damaged as DAMAGE says, and one resumed by a model with
+    a wider first convolution: one line, the same on every rank, and not a byte changed."""
+    runs = {}
+    for name, (do, _) in DAMAGE.items():
+        runs[name] = str(tmp_path / name.replace(" ", "-"))
+        shutil.copytree(written[0]["ring-zero2"], runs[name])
+        do(_checkpoint(runs[name]))
+    runs["another model"] = written[0]["ring-zero2"]
+    before = {name: snapshot(run) for name, run in runs.items()}
+    errors = spawn(_refusals, 2, runs, timeout=60)
+    for name, run in runs.items():
+        got = errors[0][name]
+        says = DAMAGE[name][1] if name in DAMAGE else OTHER_MODEL
+        assert got == errors[1][name] and says in got, (name, got)
+        assert "Nothing was loaded or written" in got and "\n" not in got, got
+        assert snapshot(run) == before[name], name
+
+
+OTHER_MODEL = ("holds another model (0.bias: [4] there, [5] here; 0.weight: [4, 3, 3, 3] there, "
+               "[5, 3, 3, 3] here; 3.weight: [10, 144] there, [10, 180] here)")
+
+
+@pytest.mark.timeout(120)
+def test_pickled_code_in_dcp_metadata_is_refused_and_runs_nothing(written, tmp_path):
+    if os.path.exists("/tmp/ddp_lab_pwned_dcp"):
+        os.remove("/tmp/ddp_lab_pwned_dcp")
+    path = str(tmp_path / "checkpoint")
+    shutil.copytree(_checkpoint(written[0]["ring-zero2"]), path)
+    _pickled_code(path)
+    with pytest.raises(ConfigError, match=r"\.metadata is unreadable.*refusing to load posix"):
+        sharded_checkpoint.Shards(path)
+    assert not os.path.exists("/tmp/ddp_lab_pwned_dcp")
+
+
+# ---- end to end: stopped at 2 ranks, continued at 1 and 3 ---------------------------------------
+
+# 96 samples, global batch 24 (2 x 12, 1 x 24, 3 x 8): 4 steps an epoch; SGD, dropout off.
+RESHARD = [a for a in NO_DROPOUT if not a.startswith(("data.num_samples", "train.batch_size"))] + [
+    "sync=ring", "sync.zero=2", "data.num_samples=96", "train.max_steps=4",
+    "train.checkpoint_every=2"]
+BATCH = {1: 24, 2: 12, 3: 8}
+
+
+@background(cost=30)
+def resharded(directory):
+    """(the uninterrupted 1-rank run, {n: the 2-rank run stopped at step 2 and continued at n
+    ranks} for n = 1 and 3)."""
+    def launch(n, run, *extra):
+        check(ranks(RESHARD + [f"train.batch_size={BATCH[n]}", f"hydra.run.dir={run}", *extra],
+                    nproc=n if n > 1 else 0, timeout=180))
+
+    ref, stopped = directory / "one-rank", directory / "stopped"
+    launch(1, ref)
+    launch(2, stopped, "train.stop_at_step=2")
+    runs = {}
+    for n in (1, 3):
+        runs[n] = directory / f"continued-at-{n}"
+        shutil.copytree(stopped, runs[n])
+        launch(n, runs[n])
+    return ref, runs
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_2_rank_zero2_run_continues_at_another_world_size(n, resharded):
+    ref, runs = resharded
+    assert f"resumed from {runs[n]}/checkpoint_step2 at step 2" in train_log(runs[n])
+    got, want = training_state(runs[n]), training_state(ref)
+    assert got["step"] == want["step"] == 4
+    model = [k for k in want["tensors"] if k.startswith("model.")]
+    diff = max((got["tensors"][k].double() - want["tensors"][k].double()).abs().max().item()
+               for k in model)
+    assert diff < 1e-6, diff
