@@ -4,7 +4,6 @@ the documented per-rank byte counts of each algorithm (tests/test_comm.py)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +17,10 @@ TOL = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 2e-3}  # relative to the largest aver
 
 
 def scfg(name, overlap=True, comm_dtype="fp32", bucket_mb=0.001):
-    return SimpleNamespace(name=name, overlap=overlap, comm_dtype=comm_dtype, bucket_mb=bucket_mb,
-                           gradient_as_bucket_view=False,
-                           static_graph=False)
+    """The sync group as the schema makes it (every key at its default but these)."""
+    from ddp_lab.sync.config import SyncConfig
+
+    return SyncConfig(name=name, overlap=overlap, comm_dtype=comm_dtype, bucket_mb=bucket_mb)
 
 
 class WithUnused(nn.Module):

@@ -60,7 +60,7 @@ class Net(nn.Module):
 
 
 def _sync_cases(rank, n):
-    from types import SimpleNamespace
+    from ddp_lab.sync.config import SyncConfig
 
     from ddp_lab.sync import bucketed
 
@@ -77,8 +77,7 @@ def _sync_cases(rank, n):
         for comm_dtype, tol in (("fp32", 1e-5), ("bf16", 2e-2)):
             torch.manual_seed(rank)
             model = Net().to(dev, memory_format=torch.channels_last)  # strided conv grads
-            cfg = SimpleNamespace(name="ring", overlap=overlap, comm_dtype=comm_dtype,
-                                  bucket_mb=0.05)
+            cfg = SyncConfig(name="ring", overlap=overlap, comm_dtype=comm_dtype, bucket_mb=0.05)
             sync = bucketed.BucketedSync(cfg, dev, n)
             sync.prepare(model)
             torch.manual_seed(0)

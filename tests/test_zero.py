@@ -36,8 +36,11 @@ OPTIMS = {"sgd": (torch.optim.SGD, dict(lr=LR, momentum=0.9, weight_decay=5e-4))
 
 
 def scfg(name, zero=0, overlap=True, comm_dtype="fp32", bucket_mb=0.001):
-    return SimpleNamespace(name=name, zero=zero, overlap=overlap, comm_dtype=comm_dtype,
-                           bucket_mb=bucket_mb, gradient_as_bucket_view=False, static_graph=False)
+    """The sync group as the schema makes it (every key at its default but these)."""
+    from ddp_lab.sync.config import SyncConfig
+
+    return SyncConfig(name=name, zero=zero, overlap=overlap, comm_dtype=comm_dtype,
+                      bucket_mb=bucket_mb)
 
 
 def make_sync(cfg, n):
