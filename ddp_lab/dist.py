@@ -123,11 +123,12 @@ _node_groups: dict[int, tuple] = {}  # node size -> (this rank's node, its ranks
 def set_nodes(node_size: int = 0, link=None) -> Nodes:
     """Collective, once the group exists (init_group calls it): ranks on nodes of `node_size`
     (0: torchrun's) with `link` (a LinkConfig; None: no emulated link) between them."""
-    global _nodes
     _, _, _, local_world_size = env_ranks()
     layout = node_layout(node_size, link, dist.get_world_size(), local_world_size)
     if layout.emulated and layout.shared:
         layout = dataclasses.replace(layout, clock_fd=_node_clock(layout))
+    _forget_nodes()
+    global _nodes
     _nodes = layout
     return layout
 
@@ -263,11 +264,15 @@ def _restart_safe_store(world_size: int, local_world_size: int, timeout):
                             base)
 
 
-def destroy_group() -> None:
+def _forget_nodes() -> None:
     global _nodes
     if _nodes is not None and _nodes.clock_fd >= 0:
         os.close(_nodes.clock_fd)
     _nodes = None
+
+
+def destroy_group() -> None:
+    _forget_nodes()
     _node_groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
