@@ -141,6 +141,18 @@ def nodes() -> Nodes:
     return Nodes(local_world_size, max(world_size // local_world_size, 1))
 
 
+@contextlib.contextmanager
+def link_off():
+    """The same nodes without the emulated link inside the block (what the host adds alone)."""
+    global _nodes
+    layout = nodes()
+    _nodes = dataclasses.replace(layout, latency_s=0.0, s_per_byte=0.0)
+    try:
+        yield
+    finally:
+        _nodes = layout
+
+
 def node_groups() -> tuple:
     """(this rank's node, the ranks with its local rank: one per node) as process groups, from
     torch.distributed.new_subgroups and new_subgroups_by_enumeration. Collective the first time

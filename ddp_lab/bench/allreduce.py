@@ -41,8 +41,9 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 
 from ddp_lab import comm
-from ddp_lab.dist import DistConfig, Nodes, destroy_group, init_group, nodes, print0
+from ddp_lab.dist import DistConfig, Nodes, destroy_group, init_group, link_off, nodes, print0
 from ddp_lab.perf.collectives import node_link_bytes
+from ddp_lab.perf.params import Link, emulated_network
 from ddp_lab.bench.common import entry, format_table, plot_lines, time_fn, write_rows
 from ddp_lab.errors import ConfigError
 
@@ -156,17 +157,11 @@ def _bench(cfg, run_dir, info) -> list[dict]:
                 del out
                 work = torch.zeros_like(x)
                 call = lambda: comm.all_reduce(work, algo)  # noqa: E731
-                # A first call (warm-up) and a probe, agreed across ranks, decide how many calls
-                # fit case_seconds: every rank must make the same calls. Warm-up never takes
-                # longer than the timed part.
-                probe = _agree(time_fn(call, device, warmup=min(cfg.warmup, 1), iters=1),
-                               dist.ReduceOp.MAX, device)
-                iters = max(min(cfg.min_iters, cfg.iters),
-                            min(cfg.iters, int(cfg.case_seconds / max(probe, 1e-9))))
-                warmup = min(max(cfg.warmup - 2, 0), iters)
-                dist.barrier()
-                t = time_fn(call, device, warmup=warmup, iters=iters)
-                t = _agree(t, dist.ReduceOp.MAX, device)
+                t = _timed(cfg, call, device)
+                if layout.emulated and algo != "native":
+                    with link_off():  # the same nodes, nothing held: what the host adds
+                        crossings[-1].update(_link_model(cfg.dist, algo, numel * elem, n, t,
+                                                         _timed(cfg, call, device)))
                 algbw, busbw = comm.bus_bandwidth(numel * elem, t, n)
                 row = {"algo": algo, "backend": info.backend, "world_size": n, "dtype": dname,
                        "bytes": numel * elem, "time_us": t * 1e6, "algbw_GBps": algbw / 1e9,
@@ -183,6 +178,30 @@ def _bench(cfg, run_dir, info) -> list[dict]:
         if crossings:
             _report_nodes(cfg.dist, layout, crossings, run_dir)
     return rows
+
+
+def _timed(cfg, call, device) -> float:
+    """The slowest rank's median seconds per call. A first call (warm-up) and a probe, agreed
+    across ranks, decide how many calls fit case_seconds: every rank must make the same calls.
+    Warm-up never takes longer than the timed part."""
+    probe = _agree(time_fn(call, device, warmup=min(cfg.warmup, 1), iters=1),
+                   dist.ReduceOp.MAX, device)
+    iters = max(min(cfg.min_iters, cfg.iters),
+                min(cfg.iters, int(cfg.case_seconds / max(probe, 1e-9))))
+    warmup = min(max(cfg.warmup - 2, 0), iters)
+    dist.barrier()
+    return _agree(time_fn(call, device, warmup=warmup, iters=iters), dist.ReduceOp.MAX, device)
+
+
+def _link_model(dcfg, algo: str, nbytes: int, n: int, t: float, host: float) -> dict:
+    """The emulated link's time by the model (emulated_network, the host's own links free) beside
+    the measured time and the host's alone: the link holds a rank in series with its own work, so
+    the measured time should lie between the larger of the two parts and their sum."""
+    free = Link(0.0, 0.0, source="the host's own links, left out")
+    net = emulated_network(nodes().size, dcfg.link.latency_us, dcfg.link.gbps, free)
+    model = net.allreduce_s(algo, nbytes, n)
+    return {"time_us": t * 1e6, "host_us": host * 1e6, "link_model_us": model * 1e6,
+            "model_err_pct": 100 * (t / (host + model) - 1)}
 
 
 def _crossing(algo: str, dtype: str, nbytes: int, counted, layout: Nodes, device) -> dict:

@@ -142,12 +142,12 @@ PRESETS = {
 
 def emulated_network(node_size: int, latency_us: float, gbps: float, intra: Link) -> Network:
     """The emulated link of `dist.link` (ddp_lab/comm/p2p.py) between nodes of `node_size` ranks,
-    as a Network: alpha = latency_us, beta = 8 / gbps ns per byte, one link per node (what
-    dist.link.shared=true emulates, and what the formulas assume); `intra`: the host's own links
-    between ranks, measured."""
-    inter = Link.of(latency_us, gbps / 8,
-                    source=f"given: the emulated link, dist.link.latency_us={latency_us:g} "
-                           f"dist.link.gbps={gbps:g} dist.link.shared=true")
+    as a Network: alpha = latency_us, beta = 8 / gbps ns per byte (gbps 0: no bandwidth limit),
+    one link per node (what dist.link.shared=true emulates, and what the formulas assume);
+    `intra`: the host's own links between ranks."""
+    inter = Link(latency_us * 1e-6, 8 / (gbps * 1e9) if gbps else 0.0,
+                 source=f"given: the emulated link, dist.link.latency_us={latency_us:g} "
+                        f"dist.link.gbps={gbps:g} dist.link.shared=true")
     return Network(f"emulated_{gbps:g}gbps", intra, inter, node_size,
                    note=f"nodes of {node_size} ranks on one host, {gbps:g} Gb/s emulated "
                         f"between them")
