@@ -24,14 +24,14 @@ target holds: ring busbw >= 0.95x native's at >= 64 MiB, fp32 (issue 20).
 
 With more than one node (dist.node_size), the checked call of each of ours is counted too: the
 bytes each node sent to the others, against the formula where there is one (`node_link_bytes`:
-ring, hring), printed for the largest size and written to allreduce_nodes.json with the layout.
+ring, hring), printed for the largest size and written to allreduce_nodes.jsonl and .csv with
+the layout and the link.
 The emulated link (dist.link) holds our collectives' messages only: `native` rows stay the
 host's own all-reduce, without it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -176,7 +176,7 @@ def _bench(cfg, run_dir, info) -> list[dict]:
     if info.is_main:
         _report(cfg, rows, run_dir)
         if crossings:
-            _report_nodes(cfg.dist, layout, crossings, run_dir)
+            _report_nodes(cfg.dist, crossings, run_dir)
     return rows
 
 
@@ -212,11 +212,14 @@ def _crossing(algo: str, dtype: str, nbytes: int, counted, layout: Nodes, device
         formula = node_link_bytes(algo, nbytes, layout.size * layout.count, layout.size)
     except ValueError:
         formula = None
-    return {"algo": algo, "dtype": dtype, "bytes": nbytes,
-            "cross_node_bytes_per_node": total / layout.count, "formula": formula}
+    return {"algo": algo, "dtype": dtype, "bytes": nbytes, "node_size": layout.size,
+            "nodes": layout.count, "cross_node_bytes_per_node": total / layout.count,
+            "formula": formula}
 
 
-def _report_nodes(dcfg, layout: Nodes, crossings: list[dict], run_dir: str) -> None:
+def _report_nodes(dcfg, crossings: list[dict], run_dir: str) -> None:
+    """A line per algorithm at the largest size; every row, with the link's keys, in
+    allreduce_nodes.jsonl and .csv."""
     top = max(c["bytes"] for c in crossings)
     for c in crossings:
         if c["bytes"] == top:
@@ -224,10 +227,8 @@ def _report_nodes(dcfg, layout: Nodes, crossings: list[dict], run_dir: str) -> N
             print(f"{c['algo']}, {c['dtype']} {_size(top)}: each node sent "
                   f"{c['cross_node_bytes_per_node'] / top:.4g} S to the others{formula}",
                   flush=True)
-    link = {k: dcfg.link[k] for k in ("latency_us", "gbps", "shared")}
-    with open(os.path.join(run_dir, "allreduce_nodes.json"), "w") as f:
-        json.dump({"node_size": layout.size, "nodes": layout.count, "link": link,
-                   "crossings": crossings}, f, indent=1)
+    link = {f"link_{k}": dcfg.link[k] for k in ("latency_us", "gbps", "shared")}
+    write_rows([{**c, **link} for c in crossings], run_dir, "allreduce_nodes")
 
 
 def _report(cfg, rows, run_dir) -> None:
