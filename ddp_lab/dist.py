@@ -5,11 +5,9 @@ One process without torchrun is the same code with world size 1: it still gets a
 process group, so collectives, samplers and syncs never need an `if distributed` branch. Its group
 meets in an in-process store, so a lone run (or many side by side) needs no TCP port.
 
-Nodes. Consecutive ranks share a node (`dist.node_size`; 0: torchrun's, LOCAL_WORLD_SIZE): what
-sync=hring's two levels use (`node_groups`: its subgroups, made once) and where the emulated link
-sits (`dist.link`: ddp_lab/comm/p2p.py holds every message our collectives send to another node
-for latency + bytes / bandwidth). `set_nodes` fixes the layout once the group exists; `nodes()`
-reads it.
+Nodes. Consecutive ranks share a node (`dist.node_size`; 0: torchrun's): sync=hring's two levels
+(`node_groups`) and the emulated link between nodes (`dist.link`, applied in ddp_lab/comm/p2p.py)
+see them. `set_nodes` fixes the layout once the group exists; `nodes()` reads it.
 
 Hangs. gloo collectives (and send/recv) honour the process-group timeout (`dist.timeout_s`) and
 then raise a bare "Timed out waiting 10000ms for recv operation"; NCCL's watchdog aborts the
@@ -168,8 +166,8 @@ def node_groups() -> tuple:
 
 
 def _node_clock(layout: Nodes) -> int:
-    """A file the ranks of this rank's node share (the time their link is next free): every rank
-    opens it before any removes it, so nothing is left behind, even after a crash."""
+    """A file the ranks of this rank's node share (the time their link is next free), removed as
+    soon as every rank has it open: nothing is left behind once the processes end."""
     token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
     path = os.path.join(tempfile.gettempdir(),
@@ -255,7 +253,11 @@ def init_group(backend: str = "auto", timeout_s: float = 300.0, node_size: int =
         kwargs["store"] = store
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
                             **kwargs)
-    set_nodes(node_size, link)
+    try:
+        set_nodes(node_size, link)
+    except BaseException:  # a layout refused: the group goes too, its threads joined
+        destroy_group()
+        raise
     return DistInfo(rank, local_rank, world_size, local_world_size, backend, device)
 
 
