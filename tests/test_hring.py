@@ -70,14 +70,14 @@ def _counts(numel: int) -> dict:
     for algo in ("ring", "hring"):
         with comm.recording() as rec:
             comm.all_reduce(torch.ones(numel), algo)
-        counts[algo] = (rec.cross_node_bytes, rec.cross_node_messages)
+        counts[algo] = (rec.cross_node_bytes, rec.cross_node_messages, rec.bytes_sent)
     return counts
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("n", list(LAYOUTS))
 def test_hring_sums_like_native_and_the_ring_on_every_layout(n):
-    from ddp_lab.perf.collectives import node_link_bytes
+    from ddp_lab.perf.collectives import cost, node_link_bytes
 
     results = spawn(_layouts, n, timeout=130)
     for g in LAYOUTS[n]:
@@ -99,6 +99,9 @@ def test_hring_sums_like_native_and_the_ring_on_every_layout(n):
                 sent = sum(c[algo][0] for c in on_node)
                 assert sent == node_link_bytes(algo, s, n, g), (n, g, algo, node)
                 assert sum(c[algo][1] for c in on_node) == (messages if m > 1 else 0)
+                # every rank sends 2(N-1)/N S in both: hring's two levels add up to the ring's
+                per_rank = cost(algo, s, n, node_size=g).bytes_per_rank
+                assert all(c[algo][2] == per_rank for c in on_node), (n, g, algo, per_rank)
     if n == 8:  # 2 nodes of 4, one link each: 1.0 S against the flat ring's 1.75 S
         ours, flat = (sum(r[(4, "counts")][a][0] for r in results[:4]) for a in ("hring", "ring"))
         assert (ours / (4 * COUNTED), flat / (4 * COUNTED)) == (1.0, 1.75)

@@ -92,6 +92,20 @@ def test_a_shared_link_queues_messages_of_the_whole_node(tmp_path):
     assert a.arrival([1000], now) == b.arrival([1000], now) == now + 1000 * beta + alpha
 
 
+def test_the_emulated_link_is_a_network_the_formulas_price():
+    """perf.params.emulated_network: the flat ring pays every step's latency and 2(N-1)/N S
+    through each node's link, hring two latencies and 2(M-1)/M S there (plus its levels inside
+    the nodes, free here): at 2x4, 1.75 S against 1.0 S."""
+    from ddp_lab.perf.params import Link, emulated_network
+
+    s, alpha, beta = 64 << 20, 25e-6, 8e-9  # 25 us, 1 Gb/s
+    net = emulated_network(4, 25.0, 1.0, Link(0.0, 0.0))
+    assert (net.inter.alpha_s, net.inter.beta_s_per_byte) == pytest.approx((alpha, beta))
+    assert net.allreduce_s("ring", s, 8) == pytest.approx(14 * alpha + 1.75 * s * beta)
+    assert net.allreduce_s("hring", s, 8) == pytest.approx(2 * alpha + 1.0 * s * beta)
+    assert net.allreduce_s("ring", s, 4) == 0.0  # one node: the host's links only (free here)
+
+
 @pytest.mark.parametrize("overrides, world, message", [
     (["dist.node_size=4"], 6, "dist.node_size=4 does not divide the world size 6"),
     (["dist.link.gbps=1"], 2, "dist.link emulates a link between nodes, but the 2 rank(s) are "

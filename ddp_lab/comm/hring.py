@@ -41,24 +41,33 @@ from ddp_lab.comm.p2p import Channel
 from ddp_lab.dist import node_groups, nodes
 
 
-def all_reduce_hring(flat: torch.Tensor, ch: Channel) -> None:
-    levels = _levels(ch)
-    if levels is None:
-        ring.all_reduce_ring(flat, ch)
-        return
-    node, across = levels
+def _or_ring(flat_ring):
+    """Make a two-level function `f(flat, ch, node, across)` a collective `(flat, ch)` that runs
+    `flat_ring` on `ch` where there is one level (G = 1, or one node)."""
+    def collective(two_levels):
+        def run(flat: torch.Tensor, ch: Channel) -> None:
+            levels = _levels(ch)
+            if levels is None:
+                flat_ring(flat, ch)
+            else:
+                two_levels(flat, ch, *levels)
+        run.__name__ = run.__qualname__ = two_levels.__name__
+        run.__doc__ = two_levels.__doc__
+        return run
+    return collective
+
+
+@_or_ring(ring.all_reduce_ring)
+def all_reduce_hring(flat: torch.Tensor, ch: Channel, node: Channel, across: Channel) -> None:
     ring.reduce_scatter_ring(flat, node)
     ring.all_reduce_ring(torch.tensor_split(flat, node.size)[node.rank], across)
     ring.all_gather_ring(flat, node)
 
 
-def reduce_scatter_hring(flat: torch.Tensor, ch: Channel) -> None:
+@_or_ring(ring.reduce_scatter_ring)
+def reduce_scatter_hring(flat: torch.Tensor, ch: Channel, node: Channel,
+                         across: Channel) -> None:
     """Leave the sum of chunk r in `flat`'s chunk r (the rest of `flat` is left as it was)."""
-    levels = _levels(ch)
-    if levels is None:
-        ring.reduce_scatter_ring(flat, ch)
-        return
-    node, across = levels
     permuted = torch.cat(_chunks_in_piece_order(flat, ch.size, node.size))
     ring.reduce_scatter_ring(permuted, node)
     piece = torch.tensor_split(permuted, node.size)[node.rank]
@@ -67,13 +76,9 @@ def reduce_scatter_hring(flat: torch.Tensor, ch: Channel) -> None:
         torch.tensor_split(piece, across.size)[across.rank])
 
 
-def all_gather_hring(flat: torch.Tensor, ch: Channel) -> None:
+@_or_ring(ring.all_gather_ring)
+def all_gather_hring(flat: torch.Tensor, ch: Channel, node: Channel, across: Channel) -> None:
     """`flat`'s chunk r holds this rank's shard; fill in every other rank's."""
-    levels = _levels(ch)
-    if levels is None:
-        ring.all_gather_ring(flat, ch)
-        return
-    node, across = levels
     permuted = torch.empty_like(flat)
     piece = torch.tensor_split(permuted, node.size)[node.rank]
     torch.tensor_split(piece, across.size)[across.rank].copy_(
