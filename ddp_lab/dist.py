@@ -42,9 +42,8 @@ from ddp_lab.keys import key
 
 @dataclass
 class LinkConfig:
-    """An emulated link between nodes: every message our collectives send to another node leaves
-    latency_us + bytes / gbps later (ddp_lab/comm/p2p.py). Both 0: off. (Checked by check_dist:
-    the key rules reach one level of groups only.)"""
+    """An emulated link between nodes (ddp_lab/comm/p2p.py); both 0: off. Checked by check_dist:
+    the key rules reach one level of groups only."""
     latency_us: float = 0.0  # alpha: each message, once
     gbps: float = 0.0  # beta = 8 / (gbps * 1e9) s per byte, Gb/s; 0: no bandwidth limit
     # One link per node, shared by its ranks: messages leaving a node queue on it (the model's
@@ -121,8 +120,7 @@ _node_groups: dict[int, tuple] = {}  # node size -> (this rank's node, its ranks
 def set_nodes(node_size: int = 0, link=None) -> Nodes:
     """Collective, once the group exists (init_group calls it): ranks on nodes of `node_size`
     (0: torchrun's) with `link` (a LinkConfig; None: no emulated link) between them."""
-    _, _, _, local_world_size = env_ranks()
-    layout = node_layout(node_size, link, dist.get_world_size(), local_world_size)
+    layout = node_layout(node_size, link, dist.get_world_size(), env_ranks()[3])
     if layout.emulated and layout.shared:
         layout = dataclasses.replace(layout, clock_fd=_node_clock(layout))
     _forget_nodes()
@@ -132,11 +130,14 @@ def set_nodes(node_size: int = 0, link=None) -> Nodes:
 
 
 def nodes() -> Nodes:
-    """The layout set_nodes fixed; before it, torchrun's nodes with no emulated link."""
+    """The layout set_nodes fixed; before it, torchrun's nodes (or, outside torchrun, the whole
+    group as one node) with no emulated link."""
     if _nodes is not None:
         return _nodes
-    _, _, world_size, local_world_size = env_ranks()
-    return Nodes(local_world_size, max(world_size // local_world_size, 1))
+    world_size = dist.get_world_size() if dist.is_initialized() else env_ranks()[2]
+    size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    size = size if size and world_size % size == 0 else world_size
+    return Nodes(size, world_size // size)
 
 
 @contextlib.contextmanager
