@@ -5,6 +5,10 @@ One process without torchrun is the same code with world size 1: it still gets a
 process group, so collectives, samplers and syncs never need an `if distributed` branch. Its group
 meets in an in-process store, so a lone run (or many side by side) needs no TCP port.
 
+Nodes. Consecutive ranks share a node (`dist.node_size`; 0: torchrun's): sync=hring's two levels
+(`node_groups`) and the emulated link between nodes (`dist.link`, applied in ddp_lab/comm/p2p.py)
+see them. `set_nodes` fixes the layout once the group exists; `nodes()` reads it.
+
 Hangs. gloo collectives (and send/recv) honour the process-group timeout (`dist.timeout_s`) and
 then raise a bare "Timed out waiting 10000ms for recv operation"; NCCL's watchdog aborts the
 process after the same timeout with its own message naming the operation
@@ -19,10 +23,14 @@ name (`from ddp_lab.dist import init_group`), so the two never share a name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib
+import math
 import os
+import tempfile
 import traceback
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -33,16 +41,143 @@ from ddp_lab.keys import key
 
 
 @dataclass
+class LinkConfig:
+    """An emulated link between nodes (ddp_lab/comm/p2p.py); both 0: off. Checked by check_dist:
+    the key rules reach one level of groups only."""
+    latency_us: float = 0.0  # alpha: each message, once
+    gbps: float = 0.0  # beta = 8 / (gbps * 1e9) s per byte, Gb/s; 0: no bandwidth limit
+    # One link per node, shared by its ranks: messages leaving a node queue on it (the model's
+    # assumption, ddp_lab/perf/collectives.py). false: a link per rank
+    shared: bool = False
+
+
+@dataclass
 class DistConfig:
     backend: str = key("auto", choices=("auto", "gloo", "nccl"))
     # A collective that waits longer than this fails instead of hanging; at least 1
     timeout_s: float = key(300.0, positive=True)
+    # Ranks per node, consecutive ranks together (sync=hring's levels, dist.link's nodes); 0:
+    # torchrun's (LOCAL_WORLD_SIZE), the real nodes
+    node_size: int = key(0, at_least=0)
+    link: LinkConfig = key(factory=LinkConfig)
 
 
 def check_dist(cfg) -> None:
-    if cfg.dist.timeout_s < 1:
-        raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s:g} is too short for ranks to meet "
+    d = cfg.dist
+    if d.timeout_s < 1:
+        raise ConfigError(f"dist.timeout_s={d.timeout_s:g} is too short for ranks to meet "
                           "(connecting to the rendezvous store alone can take longer); use >= 1")
+    _, _, world_size, local_world_size = env_ranks()
+    layout = node_layout(d.node_size, d.link, world_size, local_world_size)
+    if layout.emulated and cfg.sync.name == "ddp":
+        raise ConfigError("dist.link delays the messages of our collectives (ddp_lab/comm/p2p.py); "
+                          "sync=ddp's all-reduce is torch's own and would not wait for it: use one "
+                          "of ours (sync=ring, say), or leave dist.link off")
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The world's ranks on nodes, `size` consecutive ranks to a node, and the emulated link
+    between nodes (latency and bandwidth 0: none)."""
+    size: int
+    count: int
+    latency_s: float = 0.0
+    s_per_byte: float = 0.0
+    shared: bool = False
+    clock_fd: int = -1  # shared link: a file the node's ranks share (set_nodes; p2p.py reads it)
+
+    def node(self, rank: int) -> int:
+        return rank // self.size
+
+    @property
+    def emulated(self) -> bool:
+        return self.latency_s > 0 or self.s_per_byte > 0
+
+
+def node_layout(node_size: int, link, world_size: int, local_world_size: int) -> Nodes:
+    """dist.node_size and dist.link (a LinkConfig, or None) on `world_size` ranks, checked."""
+    size = node_size or local_world_size
+    if world_size % size:
+        raise ConfigError(f"dist.node_size={size} does not divide the world size {world_size}: "
+                          f"nodes hold consecutive ranks, the same number each")
+    latency_us, gbps = (link.latency_us, link.gbps) if link is not None else (0.0, 0.0)
+    for name, value in (("latency_us", latency_us), ("gbps", gbps)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"dist.link.{name}={value:g} must be >= 0 (0: off)")
+    layout = Nodes(size, world_size // size, latency_us * 1e-6, 8 / (gbps * 1e9) if gbps else 0.0,
+                   bool(link.shared) if link is not None else False)
+    if layout.emulated and layout.count == 1:
+        raise ConfigError(f"dist.link emulates a link between nodes, but the {world_size} "
+                          f"rank(s) are one node of dist.node_size={size}: set dist.node_size "
+                          f"to a divisor of {world_size} below it")
+    return layout
+
+
+_nodes: Nodes | None = None
+_node_groups: dict[int, tuple] = {}  # node size -> (this rank's node, its ranks across nodes)
+
+
+def set_nodes(node_size: int = 0, link=None) -> Nodes:
+    """Collective, once the group exists (init_group calls it): ranks on nodes of `node_size`
+    (0: torchrun's) with `link` (a LinkConfig; None: no emulated link) between them."""
+    layout = node_layout(node_size, link, dist.get_world_size(), env_ranks()[3])
+    if layout.emulated and layout.shared:
+        layout = dataclasses.replace(layout, clock_fd=_node_clock(layout))
+    _forget_nodes()
+    global _nodes
+    _nodes = layout
+    return layout
+
+
+def nodes() -> Nodes:
+    """The layout set_nodes fixed; before it, torchrun's nodes (or, outside torchrun, the whole
+    group as one node) with no emulated link."""
+    if _nodes is not None:
+        return _nodes
+    world_size = dist.get_world_size() if dist.is_initialized() else env_ranks()[2]
+    size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    size = size if size and world_size % size == 0 else world_size
+    return Nodes(size, world_size // size)
+
+
+@contextlib.contextmanager
+def link_off():
+    """The same nodes without the emulated link inside the block (what the host adds alone)."""
+    global _nodes
+    layout = nodes()
+    _nodes = dataclasses.replace(layout, latency_s=0.0, s_per_byte=0.0)
+    try:
+        yield
+    finally:
+        _nodes = layout
+
+
+def node_groups() -> tuple:
+    """(this rank's node, the ranks with its local rank: one per node) as process groups, from
+    torch.distributed.new_subgroups and new_subgroups_by_enumeration. Collective the first time
+    for a node size (every rank must call it at the same point); made once."""
+    layout = nodes()
+    if layout.size not in _node_groups:
+        g, m = layout.size, layout.count
+        node, _ = dist.new_subgroups(group_size=g)
+        across, _ = dist.new_subgroups_by_enumeration([[k * g + r for k in range(m)]
+                                                       for r in range(g)])
+        _node_groups[layout.size] = (node, across)
+    return _node_groups[layout.size]
+
+
+def _node_clock(layout: Nodes) -> int:
+    """A file the ranks of this rank's node share (the time their link is next free), removed as
+    soon as every rank has it open: nothing is left behind once the processes end."""
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    path = os.path.join(tempfile.gettempdir(),
+                        f"ddp_lab-link-{token[0]}-node{layout.node(dist.get_rank())}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    dist.barrier()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return fd
 
 
 @dataclass(frozen=True)
@@ -88,8 +223,10 @@ def choose_backend(requested: str, local_world_size: int) -> str:
     return requested
 
 
-def init_group(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
-    """Create the default process group (world size 1 without torchrun) and pick this rank's device."""
+def init_group(backend: str = "auto", timeout_s: float = 300.0, node_size: int = 0,
+               link=None) -> DistInfo:
+    """Create the default process group (world size 1 without torchrun), pick this rank's device
+    and set the nodes (`set_nodes`: dist.node_size, dist.link)."""
     rank, local_rank, world_size, local_world_size = env_ranks()
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if world_size > 1 and not under_torchrun() and missing:
@@ -117,6 +254,11 @@ def init_group(backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
         kwargs["store"] = store
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
                             **kwargs)
+    try:
+        set_nodes(node_size, link)
+    except BaseException:  # a layout refused: the group goes too, its threads joined
+        destroy_group()
+        raise
     return DistInfo(rank, local_rank, world_size, local_world_size, backend, device)
 
 
@@ -137,7 +279,16 @@ def _restart_safe_store(world_size: int, local_world_size: int, timeout):
                             base)
 
 
+def _forget_nodes() -> None:
+    global _nodes
+    if _nodes is not None and _nodes.clock_fd >= 0:
+        os.close(_nodes.clock_fd)
+    _nodes = None
+
+
 def destroy_group() -> None:
+    _forget_nodes()
+    _node_groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -52,7 +52,7 @@ def train(cfg, run_dir: str) -> dict:
     """Train per `cfg` (a composed DictConfig), writing into `run_dir` (rank 0 only); returns the
     run summary."""
     validate(cfg)
-    info = init_group(cfg.dist.backend, cfg.dist.timeout_s)
+    info = init_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.node_size, cfg.dist.link)
     try:
         return _train(cfg, run_dir, info)
     except BaseException as e:

@@ -34,14 +34,15 @@ def test_two_gloo_ranks_write_one_checked_row_per_algo_size_dtype(two_gloo_ranks
     check(proc)
     rows = [json.loads(line) for line in open(run_dir / "allreduce.jsonl")]
     sizes = [8, 64, 512, 4096, 32768]
-    assert len(rows) == 4 * len(sizes) * 2
+    assert len(rows) == 5 * len(sizes) * 2
     for r in rows:
         assert list(r) == COLUMNS  # exactly these keys, in this order: the scaling model reads them
         assert r["backend"] == "gloo" and r["world_size"] == 2 and r["wrong"] == 0, r
         assert r["time_us"] > 0 and abs(r["busbw_GBps"] - r["algbw_GBps"]) < 1e-12  # 2(N-1)/N = 1
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
     assert {(r["algo"], r["dtype"], r["bytes"]) for r in rows} == {
-        (a, d, s) for a in ("naive", "ring", "tree", "native") for d in ("float32", "bfloat16")
+        (a, d, s) for a in ("naive", "ring", "tree", "hring", "native")
+        for d in ("float32", "bfloat16")
         for s in sizes}
     with open(run_dir / "allreduce.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
@@ -85,7 +86,7 @@ def test_config_and_size_sweep():
     from ddp_lab.bench import allreduce
 
     cfg = compose_config([], config_name="bench/allreduce")
-    assert list(cfg.algos) == ["naive", "ring", "tree", "native"]
+    assert list(cfg.algos) == ["naive", "ring", "tree", "hring", "native"]
     assert list(cfg.dtypes) == ["float32", "bfloat16"]
     gloo, nccl = allreduce.sizes(cfg, "gloo"), allreduce.sizes(cfg, "nccl")
     assert gloo[0] == 8 and gloo[-1] == 128 << 20 and nccl[-1] == 1 << 30
@@ -95,4 +96,5 @@ def test_config_and_size_sweep():
 @pytest.mark.timeout(300)
 def test_a_bad_option_is_one_line_and_exit_2(bad_option):
     assert bad_option.returncode == 2, bad_option.stderr[-2000:]
-    assert bad_option.stderr.strip() == "error: algos: 'fast' is not one of naive, ring, tree, native"
+    assert bad_option.stderr.strip() == ("error: algos: 'fast' is not one of naive, ring, tree, "
+                                         "hring, native")

@@ -52,7 +52,7 @@ REFUSED = [  # (overrides, what the message says)
     (["data=synthetic", "data.on_device=false"], "data.on_device=false has no effect with "
                                                  "data=synthetic"),
     (["sync.overlap=false"], "sync.overlap=false has no effect with sync=ddp, only with "
-                             "sync=naive|ring|tree; leave it at true"),
+                             "sync=naive|ring|tree|hring; leave it at true"),
     (["sync=none", "sync.comm_dtype=bf16"], "sync.comm_dtype=bf16 has no effect with sync=none"),
     (["sync=none", "sync.bucket_mb=4"], "sync.bucket_mb=4.0 has no effect with sync=none"),
     (["sync=ring", "sync.gradient_as_bucket_view=true"],
@@ -63,7 +63,7 @@ REFUSED = [  # (overrides, what the message says)
     (["sync=ring", "sync.zero=3"], "sync.zero=3 is not one of 0, 1, 2"),
     (["sync=ring", "sync.zero=-1"], "sync.zero=-1 is not one of 0, 1, 2"),
     (["sync=none", "sync.zero=1"], "sync.zero=1 has no effect with sync=none, only with "
-                                   "sync=ddp|naive|ring|tree; leave it at 0"),
+                                   "sync=ddp|naive|ring|tree|hring; leave it at 0"),
     (["sync=ddp", "sync.zero=2"], "sync.zero=2 with sync=ddp: torch's ZeroRedundancyOptimizer"),
     (["precision=fp32", "precision.init_scale=1024"],
      "precision.init_scale=1024.0 has no effect with precision.grad_scaler=false"),

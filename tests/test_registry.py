@@ -46,8 +46,8 @@ def test_the_extension_points_hold_their_entries_in_the_order_listings_show():
     from ddp_lab.models import MODELS
     from ddp_lab.sync import SYNCS, BucketedSync
 
-    assert comm.ALGOS == ("naive", "ring", "tree", "native")
-    assert comm.OURS == ("naive", "ring", "tree")
+    assert comm.ALGOS == ("naive", "ring", "tree", "hring", "native")
+    assert comm.OURS == ("naive", "ring", "tree", "hring")
     assert SYNCS.names() == ("none", "ddp", *comm.OURS, "fsdp")
     assert all(SYNCS[a] is BucketedSync for a in comm.OURS)
     assert MODELS.names() == ("alexnet", "alexnet_cifar")

@@ -1,8 +1,10 @@
-"""All-reduce benchmark, nccl-tests style: our naive/ring/tree against the backend's own.
+"""All-reduce benchmark, nccl-tests style: our naive/ring/tree/hring against the backend's own.
 
     torchrun --standalone --nproc_per_node=2 -m ddp_lab.bench.allreduce            # 2 CPU ranks, gloo
     torchrun --standalone --nproc_per_node=8 -m ddp_lab.bench.allreduce            # 8 GPUs, NCCL
     python -m ddp_lab.bench.allreduce algos=[ring,native] dtypes=[float32] max_bytes=67108864
+    torchrun --standalone --nproc_per_node=8 -m ddp_lab.bench.allreduce algos=[ring,hring,native] \
+        dist.node_size=4 dist.link.gbps=1 dist.link.shared=true      # 2 emulated nodes of 4, 1 Gb/s
 
 For every dtype, message size S (min_bytes, x factor, ..., max_bytes) and algorithm: warm-up, then
 timed calls (median; the slowest rank's median, since a collective is done when its last rank is);
@@ -19,6 +21,13 @@ Rank 0 prints the table and writes allreduce.jsonl, allreduce.csv (and allreduce
 outputs/bench/allreduce/<overrides>/. It then prints, for every size >= 1 MiB, each algorithm's time
 over native's in this run (a ratio from one run, so both saw the same machine), and whether the
 target holds: ring busbw >= 0.95x native's at >= 64 MiB, fp32 (issue 20).
+
+With more than one node (dist.node_size), the checked call of each of ours is counted too: the
+bytes each node sent to the others, against the formula where there is one (`node_link_bytes`:
+ring, hring), printed for the largest size and written to allreduce_nodes.jsonl and .csv with
+the layout and the link.
+The emulated link (dist.link) holds our collectives' messages only: `native` rows stay the
+host's own all-reduce, without it.
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 
 from ddp_lab import comm
-from ddp_lab.dist import DistConfig, destroy_group, init_group, print0
+from ddp_lab.dist import DistConfig, Nodes, destroy_group, init_group, link_off, nodes, print0
+from ddp_lab.perf.collectives import node_link_bytes
+from ddp_lab.perf.params import Link, emulated_network
 from ddp_lab.bench.common import entry, format_table, plot_lines, time_fn, write_rows
 from ddp_lab.errors import ConfigError
 
@@ -108,7 +119,7 @@ def _wrong(result: torch.Tensor, reference: torch.Tensor, n: int, chunk: int = 1
 
 def bench(cfg, run_dir: str) -> list[dict]:
     validate(cfg)
-    info = init_group(cfg.dist.backend, cfg.dist.timeout_s)
+    info = init_group(cfg.dist.backend, cfg.dist.timeout_s, cfg.dist.node_size, cfg.dist.link)
     try:
         return _bench(cfg, run_dir, info)
     finally:
@@ -117,8 +128,9 @@ def bench(cfg, run_dir: str) -> list[dict]:
 
 def _bench(cfg, run_dir, info) -> list[dict]:
     device, n, rank = info.device, info.world_size, info.rank
+    layout = nodes()
     dist.barrier()
-    rows = []
+    rows, crossings = [], []
     todo = sizes(cfg, info.backend)
     if info.backend == "gloo" and cfg.max_bytes > cfg.cpu_max_bytes:
         print0(f"gloo on CPU: sizes above cpu_max_bytes={cfg.cpu_max_bytes} left out")
@@ -137,22 +149,19 @@ def _bench(cfg, run_dir, info) -> list[dict]:
             del pattern
             native = comm.all_reduce(x.clone(), "native")
             for algo in cfg.algos:
-                out = native if algo == "native" else comm.all_reduce(x.clone(), algo)
+                with comm.recording() as counted:
+                    out = native if algo == "native" else comm.all_reduce(x.clone(), algo)
+                if layout.count > 1 and algo != "native":
+                    crossings.append(_crossing(algo, dname, numel * elem, counted, layout, device))
                 wrong = _wrong(out, exact if algo == "native" else native, n)
                 del out
                 work = torch.zeros_like(x)
                 call = lambda: comm.all_reduce(work, algo)  # noqa: E731
-                # A first call (warm-up) and a probe, agreed across ranks, decide how many calls
-                # fit case_seconds: every rank must make the same calls. Warm-up never takes
-                # longer than the timed part.
-                probe = _agree(time_fn(call, device, warmup=min(cfg.warmup, 1), iters=1),
-                               dist.ReduceOp.MAX, device)
-                iters = max(min(cfg.min_iters, cfg.iters),
-                            min(cfg.iters, int(cfg.case_seconds / max(probe, 1e-9))))
-                warmup = min(max(cfg.warmup - 2, 0), iters)
-                dist.barrier()
-                t = time_fn(call, device, warmup=warmup, iters=iters)
-                t = _agree(t, dist.ReduceOp.MAX, device)
+                t = _timed(cfg, call, device)
+                if layout.emulated and algo != "native":
+                    with link_off():  # the same nodes, nothing held: what the host adds
+                        crossings[-1].update(_link_model(cfg.dist, algo, numel * elem, n, t,
+                                                         _timed(cfg, call, device)))
                 algbw, busbw = comm.bus_bandwidth(numel * elem, t, n)
                 row = {"algo": algo, "backend": info.backend, "world_size": n, "dtype": dname,
                        "bytes": numel * elem, "time_us": t * 1e6, "algbw_GBps": algbw / 1e9,
@@ -166,7 +175,60 @@ def _bench(cfg, run_dir, info) -> list[dict]:
             del x, native, exact
     if info.is_main:
         _report(cfg, rows, run_dir)
+        if crossings:
+            _report_nodes(cfg.dist, crossings, run_dir)
     return rows
+
+
+def _timed(cfg, call, device) -> float:
+    """The slowest rank's median seconds per call. A first call (warm-up) and a probe, agreed
+    across ranks, decide how many calls fit case_seconds: every rank must make the same calls.
+    Warm-up never takes longer than the timed part."""
+    probe = _agree(time_fn(call, device, warmup=min(cfg.warmup, 1), iters=1),
+                   dist.ReduceOp.MAX, device)
+    iters = max(min(cfg.min_iters, cfg.iters),
+                min(cfg.iters, int(cfg.case_seconds / max(probe, 1e-9))))
+    warmup = min(max(cfg.warmup - 2, 0), iters)
+    dist.barrier()
+    return _agree(time_fn(call, device, warmup=warmup, iters=iters), dist.ReduceOp.MAX, device)
+
+
+def _link_model(dcfg, algo: str, nbytes: int, n: int, t: float, host: float) -> dict:
+    """The emulated link's time by the model (emulated_network, the host's own links free) beside
+    the measured time and the host's alone: the link holds a rank in series with its own work, so
+    the measured time should lie between the larger of the two parts and their sum."""
+    free = Link(0.0, 0.0, source="the host's own links, left out")
+    net = emulated_network(nodes().size, dcfg.link.latency_us, dcfg.link.gbps, free)
+    model = net.allreduce_s(algo, nbytes, n)
+    return {"time_us": t * 1e6, "host_us": host * 1e6, "link_model_us": model * 1e6,
+            "model_err_pct": 100 * (t / (host + model) - 1)}
+
+
+def _crossing(algo: str, dtype: str, nbytes: int, counted, layout: Nodes, device) -> dict:
+    """Bytes each node sent to the others in one all-reduce (counted on every rank, summed), and
+    the formula's (None where there is none)."""
+    total = _agree(counted.cross_node_bytes, dist.ReduceOp.SUM, device)
+    try:
+        formula = node_link_bytes(algo, nbytes, layout.size * layout.count, layout.size)
+    except ValueError:
+        formula = None
+    return {"algo": algo, "dtype": dtype, "bytes": nbytes, "node_size": layout.size,
+            "nodes": layout.count, "cross_node_bytes_per_node": total / layout.count,
+            "formula": formula}
+
+
+def _report_nodes(dcfg, crossings: list[dict], run_dir: str) -> None:
+    """A line per algorithm at the largest size; every row, with the link's keys, in
+    allreduce_nodes.jsonl and .csv."""
+    top = max(c["bytes"] for c in crossings)
+    for c in crossings:
+        if c["bytes"] == top:
+            formula = "" if c["formula"] is None else f" (formula {c['formula'] / top:.4g} S)"
+            print(f"{c['algo']}, {c['dtype']} {_size(top)}: each node sent "
+                  f"{c['cross_node_bytes_per_node'] / top:.4g} S to the others{formula}",
+                  flush=True)
+    link = {f"link_{k}": dcfg.link[k] for k in ("latency_us", "gbps", "shared")}
+    write_rows([{**c, **link} for c in crossings], run_dir, "allreduce_nodes")
 
 
 def _report(cfg, rows, run_dir) -> None:

@@ -14,6 +14,7 @@ Algorithms (each module documents its message schedule and cost):
     naive   ddp_lab/comm/naive.py   everything through rank 0: 2 rounds, 2(N-1)S through rank 0
     ring    ddp_lab/comm/ring.py    chunked reduce-scatter + all-gather: 2(N-1) steps, 2(N-1)S/N per rank
     tree    ddp_lab/comm/tree.py    binomial reduce + broadcast: 2*ceil(log2 N) steps, any N
+    hring   ddp_lab/comm/hring.py   two levels: ring inside each node, rings across nodes (Horovod's)
     native  ddp_lab/comm/native.py  the backend's own: the reference the others are checked against
 Each module registers its three collectives in COLLECTIVES (ddp_lab/comm/collective.py, which
 states their contract); ALGOS names them all, OURS the ones written here. Ours go through
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab.perf.collectives import Cost, bus_bandwidth, cost
-from ddp_lab.comm import naive, ring, tree
+from ddp_lab.comm import naive, ring, tree, hring
 from ddp_lab.comm.p2p import Channel, CommError, Recorder, kept_scratch, recording
 # Imported, so registered, after ours: listings (ALGOS, error messages) show the reference last.
 from ddp_lab.comm import native  # noqa: E402,F401

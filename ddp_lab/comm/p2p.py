@@ -16,6 +16,15 @@ Counting: `with recording() as rec:` collects, on this thread, every transfer ma
 (`rec.bytes_sent`, `rec.bytes_received`, `rec.messages`; `rec.trace` too with `trace=True`).
 Recorders nest; each open recorder on the thread sees every transfer.
 
+Nodes (ddp_lab.dist's `nodes()`): a send to a rank on another node is counted again as
+`rec.cross_node_bytes` and `rec.cross_node_messages`. With an emulated link (`dist.link`), `post`
+holds this rank until such a message would have arrived (`Link.hold`): each message once, alpha +
+bytes * beta after its link was free, where the link is this rank's own or, with
+`dist.link.shared`, its node's, which every rank of the node queues on (a file they share holds
+when it is next free). Holding the posting thread keeps it simple: the wire time is time the rank
+does not compute, as with a CPU that copies into a socket, so the ring's one-slice overlap of an
+add with a transfer does not hide the held time.
+
 Transfers of empty tensors (a chunk of a tensor smaller than the group) are skipped: both ends know
 the sizes, so both skip, and they appear neither in the trace nor in the byte counts.
 """
@@ -23,12 +32,18 @@ the sizes, so both skip, and they appear neither in the trace nor in the byte co
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
+import struct
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from ddp_lab.dist import Nodes, nodes
 
 
 class CommError(RuntimeError):
@@ -43,10 +58,13 @@ class Recorder:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages: int = 0  # sends posted
+    cross_node_bytes: int = 0  # of bytes_sent, to ranks on other nodes
+    cross_node_messages: int = 0
     events: list[tuple[int, str, int, object]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_received = self.messages = 0
+        self.cross_node_bytes = self.cross_node_messages = 0
         self.events.clear()
 
 
@@ -107,6 +125,10 @@ class Channel:
         self.size = dist.get_world_size(group)
         self._global = [dist.get_global_rank(group, r) if group is not None else r
                         for r in range(self.size)]
+        layout = nodes()
+        mine = layout.node(self._global[self.rank])
+        self._away = [layout.node(g) != mine for g in self._global]  # peer on another node
+        self._link = link(layout)
 
     def exchange(self, step: int, sends=(), recvs=()) -> None:
         """Post this rank's transfers of schedule step `step` and wait for all of them."""
@@ -126,6 +148,7 @@ class Channel:
                 what.append((kind, peer, chunk, tensor.numel() * tensor.element_size()))
         if not ops:
             return Pending(self, step, [], [])
+        away = [nbytes for kind, peer, _, nbytes in what if kind == "send" and self._away[peer]]
         for rec in _recorders():
             for kind, peer, chunk, nbytes in what:
                 if kind == "send":
@@ -135,6 +158,10 @@ class Channel:
                     rec.bytes_received += nbytes
                 if rec.trace:
                     rec.events.append((step, kind, peer, chunk))
+            rec.cross_node_bytes += sum(away)
+            rec.cross_node_messages += len(away)
+        if away and self._link is not None:
+            self._link.hold(away)
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as e:  # noqa: BLE001 - re-raised with the schedule position
@@ -180,3 +207,67 @@ class Pending:
             except Exception as e:  # noqa: BLE001
                 one = len(self.works) == len(self.what)
                 raise self.channel._error(self.step, [self.what[i]] if one else self.what, e) from e
+
+
+class Link:
+    """This rank's side of the emulated link between nodes (`dist.link`): its own, or with
+    `shared` its node's, whose next free time sits in a file every rank of the node has open
+    (`clock_fd`, locked while read and moved on)."""
+
+    def __init__(self, layout: Nodes):
+        self.alpha, self.beta = layout.latency_s, layout.s_per_byte
+        self.fd = layout.clock_fd if layout.shared else -1
+        self.free = 0.0  # a link of this rank's own: when it is next free (time.monotonic)
+        self.held = 0  # messages held, each once (what the tests count)
+        self._lock = threading.Lock()
+
+    def hold(self, sizes: list[int]) -> None:
+        """Wait until messages of `sizes` bytes, sent now one after the other, would have
+        arrived."""
+        time.sleep(max(0.0, self.arrival(sizes, time.monotonic()) - time.monotonic()))
+
+    def arrival(self, sizes: list[int], now: float) -> float:
+        """Book the link for `sizes` from `now` (or when it is next free): when the last arrives."""
+        with self._lock, _locked(self.fd):
+            start = max(now, self._read_free())
+            free = start + sum(sizes) * self.beta
+            self._write_free(free)
+            self.held += len(sizes)
+        return free + self.alpha
+
+    def _read_free(self) -> float:
+        if self.fd < 0:
+            return self.free
+        raw = os.pread(self.fd, 8, 0)
+        return struct.unpack("d", raw)[0] if len(raw) == 8 else 0.0
+
+    def _write_free(self, free: float) -> None:
+        if self.fd < 0:
+            self.free = free
+        else:
+            os.pwrite(self.fd, struct.pack("d", free), 0)
+
+
+@contextlib.contextmanager
+def _locked(fd: int):
+    if fd < 0:
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+_links: dict[Nodes, Link] = {}
+
+
+def link(layout: Nodes) -> Link | None:
+    """The emulated link of `layout`, one per process (None: no emulated link)."""
+    if not layout.emulated:
+        return None
+    if layout not in _links:
+        _links.clear()  # a new layout (set_nodes again): the old link is gone
+        _links[layout] = Link(layout)
+    return _links[layout]

@@ -5,8 +5,9 @@
 alpha is one message round's latency, beta the inverse bandwidth of the link the critical path
 crosses (for the ring, critical_bytes = 2(N-1)/N * S, so 1/beta is exactly nccl-tests' bus
 bandwidth). `cost` gives the exact rounds and bytes of our algorithms on one level of links;
-`hierarchical_cost` the two-level ring; `allreduce_on_links` prices every algorithm on a node
-structure of two links (inside a node, between nodes), as the simulation's given networks have.
+`hierarchical_cost` the two-level ring (hring), `node_link_bytes` what one node sends to the others;
+`allreduce_on_links` prices every algorithm on a node structure of two links (inside a node,
+between nodes), as the simulation's given networks and the emulated link have.
 alpha and beta come from ddp_lab/perf/params.py (given) or ddp_lab/perf/fit.py (measured).
 
 For a message of S bytes on N ranks each algorithm is described by
@@ -56,7 +57,10 @@ class Cost:
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def cost(algo: str, nbytes: float, world_size: int, op: str = "all_reduce") -> Cost:
+def cost(algo: str, nbytes: float, world_size: int, op: str = "all_reduce",
+         node_size: int | None = None) -> Cost:
+    """`algo`'s `op` of `nbytes` on `world_size` ranks; hring's nodes hold `node_size` ranks
+    (None: one node, the flat ring)."""
     n, s = world_size, float(nbytes)
     if n < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -64,9 +68,11 @@ def cost(algo: str, nbytes: float, world_size: int, op: str = "all_reduce") -> C
         raise ValueError(f"unknown collective {op!r}: expected one of {', '.join(OPS)}")
     if n == 1 or s == 0:
         return Cost(0, 0.0, 0.0, 0.0)
-    if algo not in ("naive", "ring", "native", "tree"):
-        raise ValueError(f"unknown all-reduce algorithm {algo!r}: expected naive, ring, tree or "
-                         "native")
+    if algo not in ("naive", "ring", "native", "tree", "hring"):
+        raise ValueError(f"unknown all-reduce algorithm {algo!r}: expected naive, ring, tree, "
+                         "hring or native")
+    if algo == "hring":
+        return _hring_cost(s, n, node_size or n, op)
     if op != "all_reduce":
         return _half_cost(algo, s, n, scatter=op == "reduce_scatter")
     total = 2 * (n - 1) * s
@@ -116,15 +122,18 @@ def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> tuple[float
     return algbw, algbw * 2 * (world_size - 1) / world_size
 
 
-def hierarchical_cost(nbytes: float, gpus_per_node: int, nodes: int) -> tuple[Cost, Cost]:
-    """The two-level ring on `nodes` x `gpus_per_node` ranks, as (intra-node part, inter-node part),
-    each to be priced with its own link's alpha and beta:
+def hierarchical_cost(nbytes: float, gpus_per_node: int, nodes: int,
+                      op: str = "all_reduce") -> tuple[Cost, Cost]:
+    """The two-level ring (ddp_lab/comm/hring.py) on `nodes` x `gpus_per_node` ranks, as
+    (intra-node part, inter-node part), each to be priced with its own link's alpha and beta:
 
       1. intra-node reduce-scatter: G-1 steps of S/G (each GPU ends with 1/G of its node's sum)
       2. inter-node ring all-reduce of each 1/G shard among the M GPUs with the same local rank
          (the G rings run side by side; together they put S/M per step through each node's
          network link): 2(M-1) steps, 2(M-1)/M*S through the node's link
       3. intra-node all-gather: G-1 steps of S/G
+    (op="reduce_scatter" | "all_gather": step 1 then step 2's reduce-scatter, or step 2's
+    all-gather then step 3.)
 
     critical_bytes of the inter part count the bytes through one node's link (all its shards),
     so its beta is the node's network bandwidth, not one GPU's. With one node it is the flat ring.
@@ -132,14 +141,39 @@ def hierarchical_cost(nbytes: float, gpus_per_node: int, nodes: int) -> tuple[Co
     g, m, s = gpus_per_node, nodes, float(nbytes)
     if g < 1 or m < 1:
         raise ValueError(f"gpus_per_node and nodes must be >= 1, got {gpus_per_node}, {nodes}")
-    if s == 0:
-        return Cost(0, 0.0, 0.0, 0.0), Cost(0, 0.0, 0.0, 0.0)
-    intra = (Cost(2 * (g - 1), 2 * (g - 1) * s / g, 2 * (g - 1) * s / g, m * 2 * (g - 1) * s)
-             if g > 1 else Cost(0, 0.0, 0.0, 0.0))
-    inter = (Cost(2 * (m - 1), 2 * (m - 1) * s / m, 2 * (m - 1) * s / (m * g),
-                  g * m * 2 * (m - 1) * s / (m * g))
-             if m > 1 else Cost(0, 0.0, 0.0, 0.0))
+    inside, across = cost("ring", s, g, op), cost("ring", s / g, m, op)  # one ring of each level
+    intra = Cost(inside.steps, inside.critical_bytes, inside.bytes_per_rank,
+                 m * inside.total_bytes)
+    inter = Cost(across.steps, g * across.critical_bytes, across.bytes_per_rank,
+                 g * across.total_bytes)  # the G rings across nodes share each node's link
     return intra, inter
+
+
+def _hring_cost(s: float, n: int, g: int, op: str) -> Cost:
+    """hring on one kind of link: a rank's own rounds and bytes at both levels, added."""
+    if n % g:
+        raise ValueError(f"world size {n} is not a whole number of {g}-rank nodes")
+    intra, inter = hierarchical_cost(s, g, n // g, op)
+    return Cost(intra.steps + inter.steps, intra.critical_bytes + inter.bytes_per_rank,
+                intra.bytes_per_rank + inter.bytes_per_rank, intra.total_bytes + inter.total_bytes)
+
+
+def node_link_bytes(algo: str, nbytes: float, world_size: int, node_size: int,
+                    op: str = "all_reduce") -> float:
+    """Bytes each node sends to the other nodes in one `op` of `nbytes`, ranks laid out node by
+    node (ddp_lab.dist's nodes): what one shared link per node carries. The flat ring crosses
+    from each node once, the last rank to the next node's first: that rank's bytes, 2(N-1)/N * S
+    for the all-reduce. hring: the inter part, 2(M-1)/M * S. At 2 nodes of 4: 1.75 S and 1.0 S."""
+    n, g = world_size, node_size
+    if n % g:
+        raise ValueError(f"world size {n} is not a whole number of {g}-rank nodes")
+    if n == g:
+        return 0.0
+    if algo in ("ring", "native"):
+        return cost("ring", nbytes, n, op).bytes_per_rank
+    if algo == "hring":
+        return hierarchical_cost(nbytes, g, n // g, op)[1].critical_bytes
+    raise ValueError(f"node_link_bytes: {algo!r} is not modelled (ring, hring)")
 
 
 def allreduce_on_links(algo: str, nbytes: float, n: int, intra, inter,
@@ -165,7 +199,7 @@ def allreduce_on_links(algo: str, nbytes: float, n: int, intra, inter,
     if algo == "ring":
         # One flat ring through every rank: each of its 2(N-1) steps waits for the slowest
         # hop (the one between nodes), and each node link carries one chunk of S/N per step.
-        return 2 * (n - 1) * (e.alpha_s + s / n * e.beta_s_per_byte)
+        return 2 * (n - 1) * e.alpha_s + node_link_bytes("ring", s, n, g) * e.beta_s_per_byte
     if algo == "hring":
         intra_cost, inter_cost = hierarchical_cost(s, g, m)
         return (intra_cost.time(i.alpha_s, i.beta_s_per_byte)

@@ -7,6 +7,7 @@ where the collectives run:
 
 - given: `intra` links inside a node of `gpus_per_node` ranks (NVLink) and `inter` links between
   nodes (beta: the node's network bandwidth); the PRESETS below, each link with its `source`;
+  and the emulated link between nodes on one host (`emulated_network`: dist.link's numbers);
 - measured: the alpha-beta fits of one backend (ddp_lab/perf/fit.py), flat over the ranks they
   were measured on (`measured_network`).
 
@@ -137,6 +138,19 @@ PRESETS = {
                             _per_node(20.0, 25, "RoCE (Sergeev & Del Balso 2018)"), 4,
                             note="4x P100 per server over PCIe (~10 GB/s), 25 Gb/s RoCE between"),
 }
+
+
+def emulated_network(node_size: int, latency_us: float, gbps: float, intra: Link) -> Network:
+    """The emulated link of `dist.link` (ddp_lab/comm/p2p.py) between nodes of `node_size` ranks,
+    as a Network: alpha = latency_us, beta = 8 / gbps ns per byte (gbps 0: no bandwidth limit),
+    one link per node (what dist.link.shared=true emulates, and what the formulas assume);
+    `intra`: the host's own links between ranks."""
+    inter = Link(latency_us * 1e-6, 8 / (gbps * 1e9) if gbps else 0.0,
+                 source=f"given: the emulated link, dist.link.latency_us={latency_us:g} "
+                        f"dist.link.gbps={gbps:g} dist.link.shared=true")
+    return Network(f"emulated_{gbps:g}gbps", intra, inter, node_size,
+                   note=f"nodes of {node_size} ranks on one host, {gbps:g} Gb/s emulated "
+                        f"between them")
 
 
 def measured_network(fits: dict[tuple[str, str], "Fit"], backend: str) -> Network | None:

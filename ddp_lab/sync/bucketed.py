@@ -1,4 +1,5 @@
-"""sync=naive|ring|tree: gradients averaged with our own all-reduce, bucketed, overlapped with backward.
+"""sync=naive|ring|tree|hring: gradients averaged by our own all-reduce, bucketed, overlapped with
+backward.
 
 prepare(model)
     Broadcast parameters and buffers from rank 0, so every replica starts equal. Cut the gradients
@@ -226,7 +227,8 @@ class BucketedSync(GradSync):
 
     def _communicate(self, b: int, collective, *tensors, span: str = "allreduce") -> None:
         """`collective(*tensors, algo, group)` for bucket b: counted, timed (comm_busy_ms) and
-        traced (a `span` on the comm lane)."""
+        traced (a `span` on the comm lane, with what crossed to other nodes where any did)."""
+        crossed = self._recorder.cross_node_bytes
         with recording(self._recorder):
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -240,8 +242,10 @@ class BucketedSync(GradSync):
                 end = time.perf_counter()
                 self._busy_s += end - start
         if self._tracing():  # the same stamps as the busy time: the two agree exactly
+            crossed = self._recorder.cross_node_bytes - crossed
             self.tracer.span("comm", span, start, end, bucket=b, bytes=tensors[0].nbytes,
-                             algo=self.algo, op=collective.__name__)
+                             algo=self.algo, op=collective.__name__,
+                             **({"cross_node_bytes": crossed} if crossed else {}))
 
     def _end_step(self) -> None:
         self._last = {"bytes_per_step": self._recorder.bytes_sent,
