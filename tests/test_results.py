@@ -204,7 +204,8 @@ def test_check_passes_on_the_committed_results():
 
 
 def _copy_results(tmp_path, findings=None):
-    """The repository's README.md and docs/results (or some findings of it) under tmp_path."""
+    """The repository's README.md, its docs pages, and docs/results (or some findings of it)
+    under tmp_path: every place a figure is quoted."""
     src = os.path.join(ROOT, "docs", "results")
     dst = tmp_path / "docs" / "results"
     if findings is None:
@@ -214,6 +215,9 @@ def _copy_results(tmp_path, findings=None):
             shutil.copytree(os.path.join(src, f), dst / f)
         shutil.copy(os.path.join(src, "README.md"), dst / "README.md")
     shutil.copy(os.path.join(ROOT, "README.md"), tmp_path / "README.md")
+    for page in os.listdir(os.path.join(ROOT, "docs")):
+        if page.endswith(".md"):
+            shutil.copy(os.path.join(ROOT, "docs", page), tmp_path / "docs" / page)
     return dst
 
 
