@@ -65,7 +65,9 @@ def train(rank, n, cfg, optim, impl="foreach", accum=1, clip=0.0):
             sync.clip_grad_norm_(opt, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return [p.detach().clone() for p in model.parameters()], sync, opt, model
+    with sync.unsharded():  # ZeRO-3: gathered (otherwise they hold no memory)
+        params = [p.detach().clone() for p in model.parameters()]
+    return params, sync, opt, model
 
 
 def one_process(n, optim, impl="foreach", accum=1, clip=0.0):

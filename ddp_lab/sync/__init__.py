@@ -13,6 +13,7 @@ from ddp_lab.sync.none import NoSync
 from ddp_lab.sync.ddp import DDPSync
 from ddp_lab.sync.bucketed import BucketedSync
 from ddp_lab.sync.zero import ShardedSync
+from ddp_lab.sync.zero3 import ZeRO3Sync
 
 
 def build_sync(scfg, info: DistInfo) -> GradSync:
@@ -24,9 +25,9 @@ def build_sync(scfg, info: DistInfo) -> GradSync:
                               f"(or {'/'.join(OURS)})")
         return NoSync()
     if sync is BucketedSync and scfg.zero:  # ZeRO: each rank updates its shard of every bucket
-        sync = ShardedSync
+        sync = ZeRO3Sync if scfg.zero == 3 else ShardedSync
     return sync(scfg, info.device, info.world_size)
 
 
 __all__ = ["BucketedSync", "DDPSync", "GradSync", "NoSync", "SYNCS", "ShardedSync", "SyncConfig",
-           "build_sync"]
+           "ZeRO3Sync", "build_sync"]

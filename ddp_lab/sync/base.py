@@ -20,6 +20,10 @@ from torch import nn
 class GradSync:
     name = "base"
     tracer = None  # train.trace: a ddp_lab.trace.Tracer the sync stamps its communication into
+    # The memory count (ddp_lab/held_memory.py), for one step: a callable the sync calls just
+    # before it releases memory inside a step (ZeRO: a bucket's gradients, a unit's parameters),
+    # where what it holds is at a local maximum.
+    held_probe = None
 
     def _tracing(self) -> bool:
         return self.tracer is not None and self.tracer.step is not None
@@ -74,6 +78,12 @@ class GradSync:
     def load_optimizer_state(self, optimizer, state: dict) -> None:
         """Load a whole (unsharded) state dict, as `optimizer_state` makes them."""
         optimizer.load_state_dict(state)
+
+    def unsharded(self):
+        """Collective, outside a step: a context in which every parameter of the model is whole
+        on every rank (what reads or writes the whole model: checkpoints, the replica check).
+        ZeRO-3 gathers them, and on exit keeps its shard of what they then hold."""
+        return contextlib.nullcontext()
 
     def kept_grads(self) -> list[torch.Tensor]:
         """Gradient tensors the sync keeps across steps beside the parameters' `.grad` (ZeRO: the

@@ -96,7 +96,9 @@ class BucketedSync(GradSync):
         self._busy_s = 0.0  # CPU: host time inside all_reduce this step
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA
         self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
-        self._last = {"bytes_per_step": 0, "comm_busy_ms": float("nan"), "launched_in_backward": 0}
+        self._calls: dict[str, int] = {}  # collectives run this step, by name (counted ones)
+        self._last = {"bytes_per_step": 0, "comm_busy_ms": float("nan"), "launched_in_backward": 0,
+                      "collectives": {}}
         self._reset_step()
 
     # ---- set-up ----
@@ -244,6 +246,7 @@ class BucketedSync(GradSync):
         if not counted:
             collective(*tensors, self.algo, self.group)
             return
+        self._calls[collective.__name__] = self._calls.get(collective.__name__, 0) + 1
         with recording(self._recorder):
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -263,7 +266,9 @@ class BucketedSync(GradSync):
     def _end_step(self) -> None:
         self._last = {"bytes_per_step": self._recorder.bytes_sent,
                       "comm_busy_ms": self._busy_s * 1e3 if not self.cuda else float("nan"),
-                      "launched_in_backward": self._launched_in_backward}
+                      "launched_in_backward": self._launched_in_backward,
+                      "collectives": self._calls}
+        self._calls = {}
         if self.cuda:
             self._pending_busy.append(self._busy_events)
             self._busy_events = []
@@ -301,7 +306,8 @@ class BucketedSync(GradSync):
                 "comm_dtype": str(self.comm_dtype or "grad dtype").replace("torch.", ""),
                 "buckets": len(self.buckets), "bucket_bytes": [b.nbytes for b in self.buckets],
                 "bytes_per_step": self.bytes_per_step(), "comm_busy_ms": self.comm_busy_ms(),
-                "buckets_launched_in_backward": self._last["launched_in_backward"]}
+                "buckets_launched_in_backward": self._last["launched_in_backward"],
+                "collectives_per_step": dict(self._last["collectives"])}
 
     def comm_buffers(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.buckets]
@@ -315,9 +321,11 @@ class BucketedSync(GradSync):
             self._worker = None
 
 
-# Every collective of ours is a sync (with sync.zero>=1, zero.py's ShardedSync: build_sync).
+# Every collective of ours is a sync (with sync.zero>=1 zero.py's ShardedSync, at 3 zero3.py's
+# ZeRO3Sync: build_sync).
 for _algo in comm.OURS:
-    SYNCS.register(_algo, BucketedSync, reads=("bucket_mb", "overlap", "comm_dtype", "zero"))
+    SYNCS.register(_algo, BucketedSync, reads=("bucket_mb", "overlap", "comm_dtype", "zero",
+                                               "reshard_after_forward"))
 
 
 def comm_dtype(name: str) -> torch.dtype | None:
