@@ -95,17 +95,18 @@ def test_torchvision_model_and_predicted_memory_on_cpu(measured):
         assert r["pred_peak_gb"] - r["pred_held_gb"] == pytest.approx(
             zero[0]["pred_peak_gb"] - zero[0]["pred_held_gb"])
     assert zero[0]["comm_buffer_gb"] == zero[0]["grads_gb"] == p  # a flat copy of every gradient
-    # zero>=2: two buffers of the largest bucket (at 25 MB buckets the 4096x4096 weight alone,
-    # at zero=3 its unit: the bias too); in a step the shards' gradients (the whole, at N=1) and
-    # that bucket's, made and not yet packed
-    unit = fc + 4096 * 4 / 1e9
-    assert zero[2]["comm_buffer_gb"] == pytest.approx(2 * fc)
+    # zero>=2: buffers as large as the two largest buckets (at 25 MB buckets the 4096x4096 weight
+    # alone, and all below it: every bucket but the first, the last layer and that weight's
+    # bias; at zero=3 units: that layer with its bias, and the 1024 -> 4096 one); in a step the
+    # shards' gradients (the whole, at N=1) and the largest bucket's, made and not yet packed
+    unit, fc1 = fc + 4096 * 4 / 1e9, (1024 + 1) * 4096 * 4 / 1e9
+    assert zero[2]["comm_buffer_gb"] == pytest.approx(p - (4096 * 10 + 10 + 4096) * 4 / 1e9)
     assert zero[2]["grads_gb"] == pytest.approx(p + fc)
-    assert zero[3]["comm_buffer_gb"] == pytest.approx(2 * unit)
+    assert zero[3]["comm_buffer_gb"] == pytest.approx(unit + fc1)
     assert zero[3]["grads_gb"] == pytest.approx(p + unit)
     # zero=3: the shards (the whole, at N=1) and two units gathered: that layer and the one
     # prefetched for the backward after it (1024 -> 4096 and its bias)
-    assert zero[3]["params_gb"] == pytest.approx(p + unit + (1024 + 1) * 4096 * 4 / 1e9)
+    assert zero[3]["params_gb"] == pytest.approx(p + unit + fc1)
 
 
 def test_unknown_model_is_one_clear_line(unknown_model):

@@ -263,7 +263,7 @@ def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, z
     What held_memory.py counts at its points, the largest of them.
       ours (naive|ring|tree): zero=0 parameters P, gradients P, buckets P (a flat copy to
         all-reduce). zero>=1 state P/N; gradients P/N (the shards') plus those made and not yet
-        packed (`_in_step`); buckets P at zero=1, IN_FLIGHT x the largest at zero>=2 (the
+        packed (`_in_step`); buckets P at zero=1, the IN_FLIGHT largest at zero>=2 (the
         pool). zero=3 (`units`: each unit's elements, forward order) parameters P/N plus the
         units gathered at that moment. Receive scratch: the most any bucket's reduction keeps
         (`scratch_numel`: ddp_lab.comm's, per algorithm), on the communication thread with
@@ -291,7 +291,7 @@ def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, z
     one_thread = zero == 3 or not overlap
     return {"params_bytes": params * elem, "grads_bytes": grads * elem,
             "optimizer_state_bytes": state,
-            "comm_buffer_bytes": (buckets.IN_FLIGHT * max(sizes) if zero >= 2 else sum(sizes))
+            "comm_buffer_bytes": sum(sorted(sizes)[-buckets.IN_FLIGHT:] if zero >= 2 else sizes)
             * comm_elem,
             "comm_scratch_bytes": max(reduce, gather) if one_thread and comm_elem == elem
             else reduce + gather}

@@ -67,8 +67,14 @@ from ddp_lab.sync.config import SYNCS
 class Bucket:
     index: int
     params: list[nn.Parameter]
-    buffer: torch.Tensor  # flat, in the dtype the gradients travel in
+    # flat, in the dtype the gradients travel in (ZeRO-2/3: a view of a pool's buffer, for its
+    # size: packing borrows one, zero.py)
+    buffer: torch.Tensor
     views: list[torch.Tensor]  # buffer slices shaped (and strided) like each parameter
+
+    @property
+    def numel(self) -> int:
+        return self.buffer.numel()
 
     @property
     def nbytes(self) -> int:

@@ -22,8 +22,8 @@ the step
             (kept for the run: the all-reduce needs the whole).
     zero=2  reduce-scattered: this rank gets the sum of its shard only, and sends (N-1)/N of the
             bucket instead of 2(N-1)/N. The rest of the buffer is scratch, so the buckets are
-            packed into a pool of buckets.IN_FLIGHT (2) buffers of the largest bucket's size
-            (`BufferPool`), lent at launch and given back once reduced.
+            packed into a pool of buckets.IN_FLIGHT (2) buffers, as large as the two largest
+            buckets (`BufferPool`), lent at launch and given back once reduced.
     Then this rank's shard of the sum, divided by N, becomes the shard's .grad (a tensor of 1/N
     of the bucket, kept across steps). After `optimizer.step()` (a hook the optimizer runs after
     every step) each bucket's parameters are all-gathered, at the end of the step, on the
@@ -47,13 +47,13 @@ memory per rank (P parameter bytes, fp32; ddp_lab/perf/memory.py's `predict_held
     parameters P; the shards' gradients P/N, plus, in a step, the bucket whose gradients are
     made and not yet packed (a gradient made before its bucket's turn waits, whole: a
     convolution's weight comes before its bias); optimizer state k P / N (k = 1 for SGD momentum,
-    2 for AdamW); buckets P at zero=1, IN_FLIGHT x the largest at zero=2. `held_probe` is called
+    2 for AdamW); buckets P at zero=1, the IN_FLIGHT largest at zero=2. `held_probe` is called
     just before each release: the most held in a step is there.
 """
 
 from __future__ import annotations
 
-import queue
+import threading
 import time
 
 import torch
@@ -97,11 +97,12 @@ class ShardedSync(BucketedSync):
     def _bucket_buffers(self, sizes: list[tuple]) -> list[torch.Tensor]:
         if self.stage < 2:
             return super()._bucket_buffers(sizes)
-        # zero>=2: a pool of IN_FLIGHT buffers of the largest bucket (per dtype); each bucket's
-        # `buffer` is only its size, a view of the pool's first (packing borrows any free one)
+        # zero>=2: a pool (per dtype) of buffers as large as the IN_FLIGHT largest buckets; each
+        # bucket's `buffer` is only its size, a view of the pool's largest (packing borrows one)
         for numel, dtype, device in sizes:
-            largest = max(n for n, d, v in sizes if (d, v) == (dtype, device))
-            self._pools.setdefault((dtype, device), BufferPool(IN_FLIGHT, largest, dtype, device))
+            if (dtype, device) not in self._pools:
+                numels = [n for n, d, v in sizes if (d, v) == (dtype, device)]
+                self._pools[(dtype, device)] = BufferPool(numels, dtype, device)
         return [self._pools[(dtype, device)].buffers[0][:numel] for numel, dtype, device in sizes]
 
     # ---- the step ----
@@ -125,9 +126,9 @@ class ShardedSync(BucketedSync):
         """(which pool buffer, the buffer to pack bucket into): its own at zero=1."""
         if self.stage < 2:
             return None, bucket.buffer
-        pool = self._pools[(bucket.buffer.dtype, bucket.buffer.device)]
-        lent = pool.lend(self._worker.check if self._worker is not None else lambda: None)
-        return lent, pool.buffers[lent][:bucket.buffer.numel()]
+        pool, numel = self._pools[(bucket.buffer.dtype, bucket.buffer.device)], bucket.numel
+        lent = pool.lend(numel, self._worker.check if self._worker is not None else lambda: None)
+        return lent, pool.buffers[lent][:numel]
 
     def _reduce_packed(self, b: int, lent: int | None, buffer: torch.Tensor, ready_event) -> None:
         """Reduce a packed bucket, keep this rank's shard of the average, give the buffer back
@@ -277,25 +278,30 @@ class ShardedScaler(torch.amp.GradScaler):
 
 
 class BufferPool:
-    """`count` flat buffers of `numel` elements, each lent to one bucket at a time: it is packed
-    into one when its turn comes (in bucket order), and its reduction gives it back. Waiting for
-    one cannot deadlock: only buckets already handed to the communication thread hold them.
-    CUDA: the borrowing stream waits for the last user's work on the buffer."""
+    """Flat buffers as large as the IN_FLIGHT largest buckets, each lent to one bucket at a time:
+    a bucket borrows the smallest free one that holds it when its turn comes (in bucket order),
+    and its reduction gives it back. Waiting for one cannot deadlock: only buckets already handed
+    to the communication thread hold them, and the largest holds any bucket. CUDA: the borrowing
+    stream waits for the last user's work on the buffer."""
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, device: torch.device):
-        self.buffers = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(count)]
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
-        self._released: list = [None] * count  # CUDA: an event after the last user's work
-        for i in range(count):
-            self._free.put(i)
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device):
+        self.buffers = [torch.zeros(n, dtype=dtype, device=device)
+                        for n in sorted(numels, reverse=True)[:IN_FLIGHT]]
+        self._free = set(range(len(self.buffers)))
+        self._returned = threading.Condition()
+        self._released: list = [None] * len(self.buffers)  # CUDA: after the last user's work
 
-    def lend(self, check) -> int:
-        """The index of a free buffer, waiting for one; `check()` raises if none can come back."""
-        while True:
-            try:
-                i = self._free.get(timeout=1.0)
-                break
-            except queue.Empty:
+    def lend(self, numel: int, check) -> int:
+        """The index of a free buffer of at least `numel` elements, waiting for one; `check()`
+        raises if none can come back (the communication thread failed)."""
+        with self._returned:
+            while True:
+                fits = [i for i in self._free if self.buffers[i].numel() >= numel]
+                if fits:
+                    i = min(fits, key=lambda j: self.buffers[j].numel())
+                    self._free.remove(i)
+                    break
+                self._returned.wait(1.0)
                 check()
         if self._released[i] is not None:
             torch.cuda.current_stream().wait_event(self._released[i])
@@ -305,7 +311,9 @@ class BufferPool:
         if self.buffers[i].is_cuda:
             self._released[i] = torch.cuda.Event()
             self._released[i].record()
-        self._free.put(i)
+        with self._returned:
+            self._free.add(i)
+            self._returned.notify_all()
 
 
 def _flat_params(bucket: Bucket) -> torch.Tensor:

@@ -41,8 +41,8 @@ CUDA
 memory per rank (ddp_lab/perf/memory.py's `predict_held`)
     parameters P/N plus the units gathered at a time (with prefetch: two, a unit and the next;
     all of them between forward and backward with reshard_after_forward=false); gradients P/N
-    plus the unit whose gradients are being made; optimizer state k P / N; the pool, IN_FLIGHT x
-    the largest unit. AlexNet's 4096 x 4096 layer is one unit: it bounds what sharding saves.
+    plus the unit whose gradients are being made; optimizer state k P / N; the pool, as large as
+    the two largest units. AlexNet's 4096 x 4096 layer is one unit: it bounds what sharding saves.
 """
 
 from __future__ import annotations
