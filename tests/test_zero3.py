@@ -200,3 +200,36 @@ def test_a_skipped_step_leaves_every_ranks_shards_unchanged():
             assert r[way]["unchanged"] and r[way]["nonzero"], (way, r[way])
             assert r[way]["skipped"] == [2], (way, r[way])
     assert [r["fp16"]["scale"] for r in results] == [512.0, 512.0]  # every rank backed off
+
+
+# ---- the timeline ------------------------------------------------------------------------------
+
+def _traced(rank, n):
+    """One traced step (train.trace's Tracer, CPU stamps): the sync's spans."""
+    from ddp_lab.trace import Tracer
+
+    model = make_model(0)
+    sync = make_sync(scfg("ring", 3), n)
+    sync.tracer = Tracer(torch.device("cpu"), first=1, last=1)
+    sync.prepare(model)
+    opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.05))
+    sync.tracer.begin_step(1)
+    x, y = batch(rank, 0, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    sync.finish()
+    opt.step()
+    spans = [(lane, name, args["bucket"], args["op"], end >= start)
+             for lane, name, start, end, args in sync.tracer.spans]
+    sync.close()
+    return spans
+
+
+@pytest.mark.timeout(60)
+def test_every_all_gather_is_a_span_on_the_comm_lane():
+    """train.trace: each unit's two all-gathers (forward, then backward: units count from the
+    last module) and its reduce-scatter are spans on the comm lane, in the order they ran."""
+    spans = spawn(_traced, 2, timeout=50)[0]
+    assert all(lane == "comm" and ok for lane, *_, ok in spans)
+    gathers = [b for _, name, b, op, _ in spans if name == "all_gather" and op == "all_gather"]
+    reduced = [b for _, name, b, op, _ in spans if op == "reduce_scatter"]
+    assert gathers == [2, 1, 0] + [0, 1, 2] and reduced == [0, 1, 2]

@@ -248,7 +248,7 @@ class BucketedSync(GradSync):
     def _communicate(self, b: int, collective, *tensors, span: str = "allreduce",
                      counted: bool = True) -> None:
         """`collective(*tensors, algo, group)` for bucket b: counted, timed (comm_busy_ms) and
-        traced (a `span` on the comm lane); `counted=False` (outside a training step): none of it."""
+        traced (a `span` on the comm lane); `counted=False` (outside a training step): none."""
         if not counted:
             collective(*tensors, self.algo, self.group)
             return

@@ -73,7 +73,7 @@ class ShardedSync(BucketedSync):
         self.rank = dist.get_rank(group)
         self.model_params: list[nn.Parameter] = []  # every parameter, model order (checkpoints)
         self.flats: list[torch.Tensor] = []  # per bucket: its parameters, one flat buffer
-        self.shards: list[torch.Tensor] = []  # per bucket: this rank's shard of it (the optimizer's)
+        self.shards: list[torch.Tensor] = []  # per bucket: this rank's shard (the optimizer's)
         self.grads: list[torch.Tensor] = []  # per bucket: the shard's gradient, kept across steps
         self._pools: dict[tuple, BufferPool] = {}  # zero>=2: by (dtype, device) of the buckets
         self._gather_bytes = 0  # sent by the last all-gather of the parameters
@@ -114,7 +114,8 @@ class ShardedSync(BucketedSync):
         self._probe()  # what this rank holds is at its most just before a release
         lent, buffer = self._borrow(bucket)
         with torch.no_grad():
-            self._pack(bucket.params, [view_like(buffer, off, p) for p, off in _offsets(bucket)])
+            self._pack(bucket.params,
+                       [view_like(buffer, off, p) for p, off in param_offsets(bucket)])
         for p in bucket.params:
             p.grad = None
         if self._worker is None:
@@ -225,7 +226,7 @@ class ShardedSync(BucketedSync):
                 continue  # no state yet (before the first step)
             whole = {k: v if k in SCALARS else torch.cat([s[b][k] for s in every])
                      for k, v in every[0][b].items()}
-            for p, off in _offsets(bucket):
+            for p, off in param_offsets(bucket):
                 state[index[id(p)]] = {k: (v if k in SCALARS else view_like(v, off, p)).clone()
                                        for k, v in whole.items()}
         groups = [dict(g, params=list(range(len(self.model_params))))
@@ -246,7 +247,7 @@ class ShardedSync(BucketedSync):
                     shards[b][k] = v
                     continue
                 flat = torch.empty(self.flats[b].numel(), dtype=v.dtype)
-                for p, off in _offsets(bucket):
+                for p, off in param_offsets(bucket):
                     view_like(flat, off, p).copy_(state["state"][index[id(p)]][k])
                 shards[b][k] = comm.shard(flat, self.rank, self.world_size).clone()
         groups = [dict(g, params=list(range(len(self.shards)))) for g in state["param_groups"]]
@@ -325,14 +326,15 @@ def _flat_params(bucket: Bucket) -> torch.Tensor:
                           "sync.comm_dtype=fp32, which buckets each dtype apart)")
     p0 = bucket.params[0]
     flat = torch.empty(sum(p.numel() for p in bucket.params), dtype=p0.dtype, device=p0.device)
-    for p, off in _offsets(bucket):
+    for p, off in param_offsets(bucket):
         view = view_like(flat, off, p)
         view.copy_(p)
         p.data = view
     return flat
 
 
-def _offsets(bucket: Bucket):
+def param_offsets(bucket: Bucket):
+    """(parameter, its offset in the bucket's flat buffers), in the bucket's order."""
     off = 0
     for p in bucket.params:
         yield p, off

@@ -56,7 +56,7 @@ from torch import nn
 
 from ddp_lab import comm
 from ddp_lab.sync.bucketed import view_like
-from ddp_lab.sync.zero import ShardedSync, _offsets
+from ddp_lab.sync.zero import ShardedSync, param_offsets
 
 
 def unit_modules(model: nn.Module) -> list[nn.Module]:
@@ -97,7 +97,7 @@ class ZeRO3Sync(ShardedSync):
 
     def _build_buckets(self, params):
         """One bucket per unit, in backward order; in each, its parameters reversed (as zero<3
-        lays out a bucket)."""
+        lays out a bucket). (`params`, every trainable one, are all in some unit.)"""
         params, groups = [], []
         for m in self.units:
             own = [p for p in m.parameters(recurse=False) if p.requires_grad][::-1]
@@ -230,7 +230,7 @@ class ZeRO3Sync(ShardedSync):
             self._run(self._all_gather, u, self._ready_event(), False, whole[u])
             if self.cuda:
                 torch.cuda.current_stream().wait_event(self._gathered_events[u])
-            for p, off in _offsets(bucket):
+            for p, off in param_offsets(bucket):
                 p.data = view_like(whole[u], off, p)
         try:
             yield
