@@ -131,27 +131,33 @@ def _storage_bytes(tensors) -> int:
 
 # (algo, zero, optimizer, impl, accum, clip, overlap, reshard_after_forward)
 CORE = [(a, z, o, "foreach", 2, CLIP, True, True) for a in ("ring", "naive") for z in (2, 3)
-        for o in ("sgd", "adamw")]  # accumulation and clipping: at 2, 3 and 4 ranks
+        for o in ("sgd", "adamw")]  # accumulation and clipping: at 2 and 3 ranks
+CORE4 = [c for c in CORE if c[:3] in {("ring", 2, "adamw"), ("ring", 3, "sgd"),
+                                      ("naive", 2, "sgd"), ("naive", 3, "adamw")}]  # and at 4
 CASES = CORE + [  # at 2 and 3 ranks
-    *[(a, z, o, "foreach", 1, 0.0, True, True) for a in ("naive", "ring", "tree")
-      for z in (1, 2, 3) for o in ("sgd", "adamw")],
+    *[(a, z, o, "foreach", 1, 0.0, True, True) for a in ("naive", "ring", "tree") for z in (1, 2)
+      for o in ("sgd", "adamw")],
     ("ring", 2, "sgd", "fused", 1, 0.0, True, True),  # the default optim.impl
     ("ring", 2, "adamw", "fused", 1, 0.0, False, True),
     ("ring", 1, "sgd", "foreach", 2, 0.0, False, True),  # accumulation
     ("tree", 2, "sgd", "foreach", 2, CLIP, True, True),  # accumulation and clipping
     ("naive", 2, "adamw", "foreach", 1, CLIP, False, True),
+    ("tree", 3, "sgd", "foreach", 1, 0.0, True, True),
+    ("ring", 3, "adamw", "foreach", 1, 0.0, True, True),
     ("ring", 3, "sgd", "fused", 2, 0.0, False, True),  # every collective on the training thread
     ("tree", 3, "adamw", "foreach", 1, 0.0, True, False),  # units gathered forward to backward
-    ("ring", 1, "adamw", "foreach", 2, CLIP, True, True),  # the case needing an explanation
 ]
 
 
 def _equivalence(rank, n):
-    out = {"cases": {}, "refs": {}}
-    for algo, zero, optim, impl, accum, clip, overlap, reshard in CORE if n > 3 else CASES:
+    out, zero0 = {"cases": {}, "refs": {}}, {}
+    for algo, zero, optim, impl, accum, clip, overlap, reshard in CORE4 if n > 3 else CASES:
         params, sync, opt, model = train(rank, n, scfg(algo, zero, overlap, reshard=reshard),
                                          optim, impl, accum, clip)
-        base, *_ = train(rank, n, scfg(algo, 0, overlap), optim, impl, accum, clip)
+        like = (algo, optim, impl, accum, clip, overlap)  # cases alike but for the stage share one
+        if like not in zero0:
+            zero0[like], *_ = train(rank, n, scfg(algo, 0, overlap), optim, impl, accum, clip)
+        base = zero0[like]
         full = sync.optimizer_state(opt)
         out["cases"][(algo, zero, optim, impl, accum, clip, overlap, reshard)] = {
             "params": params, "zero0": base, "state": full,
@@ -190,7 +196,7 @@ def close_adamw(a, b, lr, steps) -> bool:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_zero_trains_like_zero0_ddp_and_one_process(world_size):
     """zero=1, 2 and 3 on naive, ring and tree, SGD and AdamW, with and without overlap (and
-    resharding), accumulation and clipping (at 4 ranks: CORE): equal to zero=0 (bitwise where the
+    resharding), accumulation and clipping (at 4 ranks: CORE4): equal to zero=0 (bitwise where the
     order is the same and the optimizer's arithmetic does not depend on an element's offset;
     else SGD within 1e-6, AdamW as the module says where the order differs), to DDP and to one
     process; every rank the same."""
@@ -350,30 +356,40 @@ def test_an_inf_in_one_shard_skips_the_step_on_every_rank():
 # ---- checkpoints: the unsharded state, at any world size ----------------------------------------
 
 def _save(rank, n, optim):
-    _, sync, opt, _ = train(rank, n, scfg("ring", 2), optim)
+    """A checkpoint's model and optimizer state, as train.py saves them, at zero=3 (the model
+    gathered, `GradSync.unsharded`), and zero=0's optimizer state."""
+    _, sync, opt, model = train(rank, n, scfg("ring", 3), optim)
+    with sync.unsharded():
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
     full = sync.optimizer_state(opt)
     _, base_sync, base_opt, _ = train(rank, n, scfg("ring", 0), optim)
-    return packed({"full": full, "zero0": base_sync.optimizer_state(base_opt)})
+    return packed({"full": full, "model": weights,
+                   "zero0": base_sync.optimizer_state(base_opt)})
 
 
-def _load(rank, n, full):
-    """Load a checkpoint's optimizer state at this world size and stage; save it again."""
+def _load(rank, n, full, weights):
+    """Load a checkpoint at this world size and stage, as train.py restores one; save it again."""
     out = {}
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         model = make_model(0)
         sync = make_sync(scfg("ring", zero), n)
         sync.prepare(model)
         opt = sync.build_optimizer(model, torch.optim.AdamW, OPTIMS["adamw"][1])
-        sync.load_optimizer_state(opt, unpacked(full))
-        out[zero] = sync.optimizer_state(opt)
+        with sync.unsharded():
+            model.load_state_dict(unpacked(weights))
+            sync.load_optimizer_state(opt, unpacked(full))
+        with sync.unsharded():
+            out[zero] = (sync.optimizer_state(opt),
+                         {k: v.clone() for k, v in model.state_dict().items()})
         sync.close()
     return packed(out)
 
 
 @pytest.mark.timeout(120)
 def test_a_checkpoint_is_unsharded_and_loads_at_another_world_size():
-    """zero=2 at 2 ranks writes the state dict zero=0 writes (same keys, shapes, values to
-    1e-6); loaded at 1 and at 3 ranks, at every stage, it saves back unchanged."""
+    """zero=3 at 2 ranks writes the optimizer state dict zero=0 writes (same keys, shapes,
+    values to 1e-6) and the whole model; loaded at 1 and at 3 ranks, at every stage (zero=3:
+    into this rank's shards, on leaving `unsharded`), both save back unchanged."""
     saved = unpacked(spawn(_save, 2, "adamw", timeout=60)[0])
     full, ref = saved["full"], saved["zero0"]
     assert full["state"].keys() == ref["state"].keys() and len(full["state"]) == 6
@@ -384,8 +400,9 @@ def test_a_checkpoint_is_unsharded_and_loads_at_another_world_size():
     assert [dict(g, params=None) for g in full["param_groups"]] == \
         [dict(g, params=None) for g in ref["param_groups"]]
     for n in (1, 3):
-        again = unpacked(spawn(_load, n, packed(full), timeout=60)[0])
-        for zero, state in again.items():
+        again = unpacked(spawn(_load, n, packed(full), packed(saved["model"]), timeout=60)[0])
+        for zero, (state, weights) in again.items():
             for i, s in full["state"].items():
                 for k, v in s.items():
                     assert torch.equal(state["state"][i][k], v), (n, zero, i, k)
+            assert all(torch.equal(weights[k], v) for k, v in saved["model"].items()), (n, zero)

@@ -21,49 +21,48 @@ from test_zero import _half_or_whole, make_sync, scfg, train
 UNITS = 3
 
 
-def _counts(rank, n):
-    out = {}
-    for reshard in (True, False):
-        for accum in (1, 2):
-            _, sync, *_ = train(rank, n, scfg("ring", 3, reshard=reshard), "sgd", accum=accum)
-            out[(reshard, accum)] = sync.comm_stats()
-            sync.close()
-    return out
-
-
 @pytest.mark.timeout(60)
-def test_a_step_gathers_each_unit_in_forward_and_backward_and_reduce_scatters_it():
+def test_a_step_gathers_each_unit_in_forward_and_backward_and_reduce_scatters_it(by_stage):
     """For B units, each forward and backward pass runs B all-gathers in forward, B in backward
     (none with reshard_after_forward=false: the units stay gathered until their backward) and,
     per step, B reduce-scatters; accumulation gathers again every micro-step."""
-    for stats in spawn(_counts, 2, timeout=50):
-        for (reshard, accum), s in stats.items():
-            assert s["units"] == UNITS
-            assert s["all_gathers_per_step"] == {"forward": UNITS * accum,
-                                                 "backward": UNITS * accum * reshard}
-            assert s["collectives_per_step"] == {"all_gather": UNITS * accum * (1 + reshard),
-                                                 "reduce_scatter": UNITS}
+    for got in by_stage:
+        for (zero, reshard, accum), (_, _, stats) in got.items():
+            if zero < 3:
+                continue
+            assert stats["units"] == UNITS
+            assert stats["all_gathers_per_step"] == {"forward": UNITS * accum,
+                                                     "backward": UNITS * accum * reshard}
+            assert stats["collectives_per_step"] == {"all_gather": UNITS * accum * (1 + reshard),
+                                                     "reduce_scatter": UNITS}
 
 
 # ---- bytes: every stage against the model and the paper ----------------------------------------
 
-STAGES = [(0, True), (1, True), (2, True), (3, True), (3, False)]  # (zero, reshard_after_forward)
+STAGES = [(0, True, 1), (1, True, 1), (2, True, 1), (3, True, 1), (3, False, 1), (3, True, 2),
+          (3, False, 2)]  # (zero, reshard_after_forward, accum_steps)
 OPS = {0: ["all_reduce"], 1: ["all_reduce", "all_gather"], 2: ["reduce_scatter", "all_gather"],
        3: ["reduce_scatter", "all_gather", "all_gather"]}
 
 
-def _bytes_by_stage(rank, n):
+def _by_stage(rank, n):
     out = {}
-    for zero, reshard in STAGES:
-        _, sync, *_ = train(rank, n, scfg("ring", zero, reshard=reshard), "sgd")
-        out[(zero, reshard)] = ([sum(p.numel() for p in b.params) for b in sync.buckets],
-                                sync.bytes_per_step())
+    for zero, reshard, accum in STAGES:
+        _, sync, *_ = train(rank, n, scfg("ring", zero, reshard=reshard), "sgd", accum=accum)
+        out[(zero, reshard, accum)] = ([sum(p.numel() for p in b.params) for b in sync.buckets],
+                                       sync.bytes_per_step(), sync.comm_stats())
         sync.close()
     return out
 
 
+@pytest.fixture(scope="module")
+def by_stage():
+    """Per rank, per STAGES entry: (bucket or unit sizes, bytes sent in the last step, stats)."""
+    return spawn(_by_stage, 3, timeout=80)
+
+
 @pytest.mark.timeout(90)
-def test_bytes_per_step_by_stage_against_cost_and_the_paper():
+def test_bytes_per_step_by_stage_against_cost_and_the_paper(by_stage):
     """Counted bytes a rank sends per step (the Recorder, through the sync) equal the ring's exact
     per-rank bytes for each bucket's (ZeRO-3: unit's) collectives, and `perf.collectives.cost()`
     within its rounding (it assumes N divides S: a shard is one element more or less, 4 bytes a
@@ -75,9 +74,11 @@ def test_bytes_per_step_by_stage_against_cost_and_the_paper():
 
     n = 3
     ratios = {(0, True): 1.0, (1, True): 1.5, (2, True): 1.0, (3, True): 1.5, (3, False): 1.0}
-    for rank, got in enumerate(spawn(_bytes_by_stage, n, timeout=80)):
-        base = got[(0, True)][1]
-        for (zero, reshard), (numels, sent) in got.items():
+    for rank, got in enumerate(by_stage):
+        base = got[(0, True, 1)][1]
+        for (zero, reshard, accum), (numels, sent, _) in got.items():
+            if accum > 1:
+                continue
             ops = OPS[zero] if reshard else OPS[zero][:2]
             assert sent == sum(_half_or_whole(op, rank, n, m) for m in numels for op in ops)
             model = sum(cost("ring", 4 * m, n, op).bytes_per_rank for m in numels for op in ops)
