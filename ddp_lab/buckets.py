@@ -16,6 +16,10 @@ from typing import Sequence
 
 DEFAULT_BUCKET_MB = 25.0  # sync.bucket_mb's default: ours, and DDP's bucket_cap_mb
 DDP_FIRST_BUCKET_MB = 1.0  # torch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+# Buffers ZeRO-2/3 pack their buckets into, lent in turn (ddp_lab/sync/zero.py's BufferPool), as
+# large as the largest buckets: one bucket reduced on the communication thread while the next one
+# packs. More would let backward run further ahead of a slow reduction, for a bucket's bytes each.
+IN_FLIGHT = 2
 MiB = 1 << 20
 RULES = ("ours", "ddp")
 

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -56,10 +57,12 @@ class Guard:
     """Called by the loop after the sync (`after_sync`) and after the optimizer (`end_step`);
     decides on every rank alike."""
 
-    def __init__(self, tcfg, info, model: torch.nn.Module, scaler, total_steps: int):
+    def __init__(self, tcfg, info, model: torch.nn.Module, scaler, total_steps: int,
+                 unsharded=contextlib.nullcontext):
         self.policy, self.every = tcfg.nonfinite, tcfg.consistency_every
         self.info, self.scaler = info, scaler
         self.params = list(model.parameters())
+        self.unsharded = unsharded  # the sync's: ZeRO-3 gathers the parameters to compare them
         self.last_step = total_steps
         self.skipped: list[int] = []
         self.checks = 0
@@ -174,7 +177,8 @@ class Guard:
 
     def check_replicas(self, step: int) -> None:
         """Collective: a difference between the ranks' parameters stops training."""
-        every = self._checked = replica_checksums(self.params)
+        with self.unsharded():
+            every = self._checked = replica_checksums(self.params)
         self.checks += 1
         groups: dict[tuple, list[int]] = {}
         for r, c in enumerate(every):
@@ -196,7 +200,10 @@ class Guard:
         every = [None] * self.info.world_size
         dist.all_gather_object(every, self.skipped)  # they must agree
         # (the last step's check, if it compared: the same parameters)
-        checksums = self._checked if self._checked is not None else replica_checksums(self.params)
+        checksums = self._checked
+        if checksums is None:
+            with self.unsharded():
+                checksums = replica_checksums(self.params)
         digests = [_digest(c) for c in checksums]
         if len(set(digests)) > 1:
             log.error("replicas diverged: parameter digests per rank %s", digests)

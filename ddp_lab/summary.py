@@ -20,6 +20,7 @@ from ddp_lab.perf.memory import predict_held
 from ddp_lab.dtypes import element_size
 from ddp_lab.metrics import with_exposed_comm
 from ddp_lab.step import compiled_graphs
+from ddp_lab.sync.zero3 import unit_numels
 
 log = logging.getLogger("ddp_lab")
 
@@ -89,9 +90,11 @@ def memory_block(run) -> dict:
     peak = [max(p, key=lambda k: total(p[k])) if p else None for p in every]
     numels = [q.numel() for q in run.parts.model.parameters()]
     states = {"adamw": 2, "sgd": int(o.momentum > 0)}[o.name]
+    units = unit_numels(run.parts.model) if s.zero == 3 else None
     predicted = [predict_held(numels, info.world_size, r, s.name, s.zero, states, s.bucket_mb,
-                              element_size(s.comm_dtype), s.overlap,
-                              scratch_numel) for r in range(info.world_size)]
+                              element_size(s.comm_dtype), s.overlap, scratch_numel, units=units,
+                              reshard_after_forward=s.reshard_after_forward)
+                 for r in range(info.world_size)]
     by_rank = lambda rows, k: [None if row is None else row[k] for row in rows]
     counted = [None if k is None else p[k] for p, k in zip(every, peak)]
     return {**{k: by_rank(counted, k) for k in MEMORY_KEYS}, "peak_point": peak,

@@ -165,12 +165,14 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     checkpoint.check_keep_every(cfg.train.keep_every, cfg.train.checkpoint_every,
                                 length.steps_per_epoch)
     if resumed is not None:
-        restore(parts, scheduler, resumed, info, length, cfg.train.accum_steps)
+        with parts.sync.unsharded():  # ZeRO-3: the whole model, to load it
+            restore(parts, scheduler, resumed, info, length, cfg.train.accum_steps)
     if info.is_main:  # (after restore: a checkpoint it refuses leaves the run dir untouched)
         for stale in (checkpoint.clean_stale_temporaries(run_dir)
                       + sharded_checkpoint.clean_stale_temporaries(run_dir)):
             log.warning("removed stale temporary %s", stale)
-    guard = Guard(cfg.train, info, parts.model, parts.precision.scaler, length.total_steps)
+    guard = Guard(cfg.train, info, parts.model, parts.precision.scaler, length.total_steps,
+                  parts.sync.unsharded)
     faults = Faults(cfg.fault, info.rank, info.world_size, parts.model)
     logger = make_logger(run_dir, info.is_main)
     closing.callback(logger.close)
@@ -321,7 +323,8 @@ def after_step(run: Run, progress: Progress, step: int, bar) -> bool:
     # Non-finite verdicts are read where the host syncs anyway: log steps, checkpoints, the end.
     checked = run.guard.end_step(step, sync_point=log_now or checkpoint_now)
     if checkpoint_now:
-        save_checkpoint(run, step)
+        with run.parts.sync.unsharded():  # ZeRO-3: the whole model, gathered, for rank 0 to save
+            save_checkpoint(run, step)
     return log_now or eval_now or checkpoint_now or checked
 
 

@@ -104,7 +104,7 @@ def measure(cfg, stage: int, precision: str, out_dir: str) -> None:
         writer = csv.DictWriter(f, fieldnames=["label", "bytes", "blocks"])
         writer.writeheader()
         writer.writerows(rows)
-    parts = memory_fit.predicted_peak_parts(cfg, stage, precision, summary)
+    parts = memory_fit.predicted_peak_parts(cfg, precision, summary)
     peak = sum(r["bytes"] for r in rows)
     print(f"\n== {precision}, zero={stage}: peak {peak / GB:.3f} GB at event {at} of {len(trace)} "
           f"(max_memory_allocated {torch.cuda.max_memory_allocated(device) / GB:.3f} GB, "

@@ -60,11 +60,19 @@ REFUSED = [  # (overrides, what the message says)
     (["sync=tree", "sync.static_graph=true"],
      "sync.static_graph=true has no effect with sync=tree"),
     # ZeRO: a stage that does not exist, nothing to shard over, or a stage torch's does not have
-    (["sync=ring", "sync.zero=3"], "sync.zero=3 is not one of 0, 1, 2"),
-    (["sync=ring", "sync.zero=-1"], "sync.zero=-1 is not one of 0, 1, 2"),
+    (["sync=ring", "sync.zero=4"], "sync.zero=4 is not one of 0, 1, 2, 3"),
+    (["sync=ring", "sync.zero=-1"], "sync.zero=-1 is not one of 0, 1, 2, 3"),
     (["sync=none", "sync.zero=1"], "sync.zero=1 has no effect with sync=none, only with "
                                    "sync=ddp|naive|ring|tree|hring; leave it at 0"),
     (["sync=ddp", "sync.zero=2"], "sync.zero=2 with sync=ddp: torch's ZeroRedundancyOptimizer"),
+    (["sync=ddp", "sync.zero=3"], "sync.zero=3 with sync=ddp: torch's fully sharded data "
+                                  "parallelism is sync=fsdp"),
+    (["sync=ring", "sync.zero=2", "sync.reshard_after_forward=false"],
+     "sync.reshard_after_forward=false has no effect at sync.zero=2, only at sync.zero=3"),
+    (["sync=ddp", "sync.reshard_after_forward=false"],
+     "sync.reshard_after_forward=false has no effect with sync=ddp"),
+    (["sync=ring", "sync.zero=3", "train.compile=true"],
+     "train.compile=true with sync.zero=3"),
     (["precision=fp32", "precision.init_scale=1024"],
      "precision.init_scale=1024.0 has no effect with precision.grad_scaler=false"),
     (["optim=adamw", "optim.nesterov=true"], "optim.nesterov=true has no effect with optim=adamw"),
@@ -130,7 +138,7 @@ ACCEPTED = [  # every group option with the others' defaults, and the combinatio
                                                "fault.hang_s=2"],
     ["fault.nan_at_step=2", "fault.nan_rank=1", "fault.nan_value=inf"],
     ["sync=ring", "sync.zero=2", "sync.comm_dtype=bf16"], ["sync=tree", "sync.zero=1"],
-    ["sync=ddp", "sync.zero=1"],
+    ["sync=ddp", "sync.zero=1"], ["sync=naive", "sync.zero=3", "sync.reshard_after_forward=false"],
 ]
 
 

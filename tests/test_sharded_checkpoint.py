@@ -31,13 +31,15 @@ from test_zero import make_sync, scfg
 
 STEP = 4  # the checkpoint's step (the small CNN's training steps before it)
 MORE = 2  # and the steps after it
-KINDS = {"ring-zero2": scfg("ring", 2), "ddp-zero1": scfg("ddp", 1), "fsdp": fsdp_cfg()}
+KINDS = {"ring-zero2": scfg("ring", 2), "ring-zero3": scfg("ring", 3), "ddp-zero1": scfg("ddp", 1),
+         "fsdp": fsdp_cfg()}
 
 
 def _fresh(rank, n, kind, wide=False):
     """A sync, model and AdamW over what this rank updates, before any step: ZeRO-2 (ring),
     torch's ZeRO-1 (ZeroRedundancyOptimizer) or FSDP. `wide`: another model, its first
-    convolution 5 channels wide instead of 4."""
+    convolution 5 channels wide instead of 4. (ZeRO-3: what reads or writes the whole model does
+    it inside `sync.unsharded()`, as train.py does.)"""
     model = make_model(seed=rank)  # (rank 0's parameters are broadcast)
     if wide:
         model[0], model[3] = torch.nn.Conv2d(3, 5, 3), torch.nn.Linear(5 * 6 * 6, 10)
@@ -62,7 +64,8 @@ def _save(run, run_dir):
     n = sync.world_size
     state = {"step": STEP, "config_digest": checkpoint.config_digest(_cfg(n), n, True),
              "optimizer": {"param_groups": sharded_checkpoint.hyperparameters(opt)}}
-    return sharded_checkpoint.save(sync, model, opt, state, str(run_dir), STEP, keep_every=0)
+    with sync.unsharded():
+        return sharded_checkpoint.save(sync, model, opt, state, str(run_dir), STEP, keep_every=0)
 
 
 def _cfg(n: int) -> dict:
@@ -75,16 +78,18 @@ def _resumed(rank, n, kind, run_dir, wide=False):
     every file) and load it."""
     run = _fresh(rank, n, kind, wide)
     resumed = sharded_checkpoint.resume(_cfg(n), str(run_dir), "auto", n, log=print)
-    sharded_checkpoint.load(resumed, run[0], run[1], run[3])
+    with run[0].unsharded():
+        sharded_checkpoint.load(resumed, run[0], run[1], run[3])
     return run
 
 
 def _state(run) -> list[torch.Tensor]:
     """This rank's parameters and optimizer state, as tensors."""
-    _, model, _, opt = run
+    sync, model, _, opt = run
     opt = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer: this rank's part
-    tensors = [*model.parameters(), *(s[k] for s in opt.state.values() for k in sorted(s))]
-    return [t.to_local() if hasattr(t, "to_local") else t.detach().clone() for t in tensors]
+    with sync.unsharded():
+        tensors = [*model.parameters(), *(s[k] for s in opt.state.values() for k in sorted(s))]
+        return [t.to_local() if hasattr(t, "to_local") else t.detach().clone() for t in tensors]
 
 
 def _write_and_continue(rank, n, run_dirs):
@@ -136,7 +141,7 @@ def written(tmp_path_factory):
 
 @pytest.mark.timeout(120)
 def test_continuing_from_a_checkpoint_at_2_ranks_is_bitwise_training_on(written):
-    """ZeRO-2, torch's ZeRO-1 and FSDP: MORE AdamW steps after loading the checkpoint leave every
+    """ZeRO-2, ZeRO-3, torch's ZeRO-1 and FSDP: MORE AdamW steps after loading the checkpoint leave every
     rank's parameters and optimizer state bitwise where MORE steps straight on leave them."""
     assert written[1] == [{kind: True for kind in KINDS}] * 2
 

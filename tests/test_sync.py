@@ -253,12 +253,11 @@ def test_a_failure_in_the_comm_thread_is_raised_by_finish():
 
 
 def _threads_seen_by_the_comm_thread() -> tuple[int, int]:
-    from ddp_lab.sync.bucketed import _CommThread
+    from ddp_lab.sync.comm_thread import CommThread
 
     seen = []
-    worker = _CommThread(lambda bucket, ready: seen.append(torch.get_num_threads()),
-                         torch.device("cpu"))
-    worker.submit(0, None)
+    worker = CommThread(torch.device("cpu"))
+    worker.submit(lambda: seen.append(torch.get_num_threads()))
     worker.flush()
     worker.close()
     return seen[0], torch.get_num_threads()

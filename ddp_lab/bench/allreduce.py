@@ -32,6 +32,7 @@ host's own all-reduce, without it.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -156,7 +157,7 @@ def _bench(cfg, run_dir, info) -> list[dict]:
                 wrong = _wrong(out, exact if algo == "native" else native, n)
                 del out
                 work = torch.zeros_like(x)
-                call = lambda: comm.all_reduce(work, algo)  # noqa: E731
+                call = functools.partial(comm.all_reduce, work, algo)
                 t = _timed(cfg, call, device)
                 if layout.emulated and algo != "native":
                     with link_off():  # the same nodes, nothing held: what the host adds

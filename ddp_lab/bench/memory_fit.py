@@ -9,7 +9,7 @@ table for GPT-3 175B and LLaMA-2 70B, reproduced and corrected. Pure arithmetic 
     python -m ddp_lab.bench.memory_fit models=[] params=[1e9]           # a raw parameter count
     python -m ddp_lab.bench.memory_fit measure=true                     # predicted vs measured
     python -m ddp_lab.bench.memory_fit models=[llama2_70b] gpu_gb=80 zero_stages=[1,2,3]
-    python -m ddp_lab.bench.memory_fit measure_zero=[0,1,2] measure_precisions=[bf16]  # on a GPU
+    python -m ddp_lab.bench.memory_fit measure_zero=[0,1,2,3] measure_precisions=[bf16]  # a GPU
 
 Schemes (bytes per parameter, Adam; see ddp_lab.perf.memory):
   fp32_train   4 weights + 4 grads + 8 Adam                         = 16
@@ -27,7 +27,7 @@ ranks, and how many GPUs of `gpu_gb` GB stage s needs for the training state to 
   stage 0  16P              (plain data parallelism)
   stage 1   4P + 12P/N      (optimizer states and fp32 master copy sharded; ddp_lab sync.zero=1)
   stage 2   2P + 14P/N      (gradients too; sync.zero=2)
-  stage 3       16P/N       (weights too: ZeRO-3 / FSDP, on paper here)
+  stage 3       16P/N       (weights too: ZeRO-3 / FSDP; sync.zero=3)
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class MemoryFitConfig:
     measure_precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])
     measure_channels_last: bool = True
     measure_steps: int = 5
-    # ZeRO stages to train with ddp_lab's own loop (sync=ring, AdamW) at world size 1: predicted
-    # vs measured peak, and the bytes held, counted from storages
+    # ZeRO stages (0-3) to train with ddp_lab's own loop (sync=ring, AdamW) at world size 1:
+    # predicted vs measured peak, and the bytes held, counted from storages
     measure_zero: list[int] = field(default_factory=list)
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # [] leaves the table out
     zero_gpus: list[int] = field(default_factory=lambda: [8, 64, 1024])  # N for the per-GPU GB
@@ -209,8 +209,8 @@ def measure_zero_rows(cfg, run_dir: str) -> list[dict]:
     """Each stage of cfg.measure_zero trained by ddp_lab's loop (sync=ring, AdamW) at world size
     1: the bytes its rank held (counted from storages, summary.json's memory block) and its peak,
     predicted and measured. At N=1 a shard is the whole, so the stages differ only by what each
-    keeps besides the shards: the buckets, and (zero>=1) the shards' gradients beside the
-    model's, which finish() releases only after backward."""
+    keeps besides the shards: the buckets (all of them, or a pool of two), the gradients in
+    flight, and at zero=3 the units gathered (two at a time) beside the shards."""
     from ddp_lab.bench.bare import free_memory
     from ddp_lab.bench.train_throughput import ddp_loop
 
@@ -239,10 +239,12 @@ def zero_train_config(cfg, stage: int, precision: str, device: torch.device):
     return compose(overrides + ["sync=ring", f"sync.zero={stage}", "optim=adamw"])
 
 
-def predicted_peak_parts(cfg, stage: int, precision: str, summary: dict) -> dict[str, float]:
-    """The predicted peak of a measure_zero run, part by part (bytes): what its rank holds
-    (summary.json's `memory.predicted`), the model's .grad beside the shards' at zero>=1, and a
-    step's activations, input batch and autocast copies (ddp_lab.perf.memory)."""
+def predicted_peak_parts(cfg, precision: str, summary: dict) -> dict[str, float]:
+    """The predicted peak of a measure_zero run, part by part (bytes): the most its rank holds
+    in a step (summary.json's `memory.predicted`) and a step's activations, input batch and
+    autocast copies (ddp_lab.perf.memory). Their sum: the activations peak as backward begins,
+    the held bytes where the largest bucket is packed, so it overestimates by what the
+    activations have shrunk by then."""
     from ddp_lab.models import MODELS
 
     # world size 1: rank 0's prediction (the block has one per rank)
@@ -251,7 +253,7 @@ def predicted_peak_parts(cfg, stage: int, precision: str, summary: dict) -> dict
     step = mem.predict_training_memory(MODELS[cfg.measure_model](num_classes=classes),
                                        cfg.measure_batch, size, precision, "adamw",
                                        cfg.measure_channels_last)
-    return {**predicted, "model_grads_bytes": predicted["params_bytes"] if stage >= 1 else 0.0,
+    return {**predicted,
             **{f"{k}_bytes": step[k] for k in ("activations", "input", "autocast_copies")}}
 
 
@@ -259,7 +261,7 @@ def _zero_row(cfg, stage: int, precision: str, summary: dict) -> dict:
     held = summary["memory"]
     counted = {k: v[0] for k, v in held.items() if k in MEMORY_KEYS}
     pred_held = sum(v[0] or 0 for v in held["predicted"].values())
-    pred_peak = sum(predicted_peak_parts(cfg, stage, precision, summary).values())
+    pred_peak = sum(predicted_peak_parts(cfg, precision, summary).values())
     measured = summary.get("max_memory_allocated_GiB", float("nan")) * 2**30
     return {"model": cfg.measure_model, "batch": cfg.measure_batch, "precision": precision,
             "stage": stage, **{f"{k[:-6]}_gb": v / GB for k, v in counted.items()},
@@ -285,7 +287,7 @@ def run(cfg, run_dir: str) -> list[dict]:
         raise ConfigError(f"optimizer={cfg.optimizer!r} is not one of {', '.join(mem.OPTIMIZER_STATES)}")
     if cfg.gpu_gb <= 0:
         raise ConfigError(f"gpu_gb={cfg.gpu_gb} must be > 0")
-    _check_zero_stages(cfg.measure_zero, "measure_zero", (0, 1, 2))
+    _check_zero_stages(cfg.measure_zero, "measure_zero", mem.ZERO_STAGES)
     if cfg.measure or cfg.measure_zero:
         _image_shape(cfg)  # bad measure_* keys fail before any table
     entries = []
@@ -337,9 +339,9 @@ def run(cfg, run_dir: str) -> list[dict]:
                 "measured_over_pred"],
                title=f"ZeRO at world size 1: {cfg.measure_model} batch {cfg.measure_batch}, "
                      "sync=ring, AdamW; held (counted) and peak (predicted vs measured), GB",
-               notes=["held: counted from tensor storages at the first optimizer step; "
-                      "pred_peak = the held bytes predicted + the model's .grad at zero>=1 + "
-                      "activations, input and autocast copies (ddp_lab.perf.memory)",
+               notes=["held: counted from tensor storages, the most a step held (summary.json's "
+                      "memory block); pred_peak = the held bytes predicted + activations, input "
+                      "and autocast copies (ddp_lab.perf.memory)",
                       "measured = torch.cuda.max_memory_allocated over the run (nan on the CPU)"])
     if cfg.plot:
         series = series_of(rows, "scheme", "params_b", "total_gb")

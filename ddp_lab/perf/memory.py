@@ -255,16 +255,20 @@ def predict_training_memory(model: nn.Module, batch: int, image_size: int, preci
 
 def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, zero: int,
                  states: int, bucket_mb: float, comm_elem: int, overlap: bool,
-                 scratch_numel: Callable | None = None, elem: int = 4) -> dict:
-    """What rank `rank` of a ddp_lab run should hold, by design (fp32 parameters: precision=bf16|
-    fp16 autocasts, it does not store 16-bit copies): parameters of `numels` elements
-    (registration order), `states` optimizer tensors per element, on `world_size` ranks.
-      ours (naive|ring|tree): zero=0 gradients P and buckets P (a flat copy to all-reduce);
-        zero>=1 the shards' gradients P/N, state P/N; buckets P at zero=1, the largest one at
-        zero=2 (one scratch for all: ddp_lab/buckets.py cuts them). Receive scratch: the most
-        any bucket's reduction keeps (`scratch_numel`: ddp_lab.comm's, per algorithm), on the
-        communication thread with overlap; with ZeRO the parameters' all-gather's on the training
-        thread (one buffer for both where the thread and the dtype are the same).
+                 scratch_numel: Callable | None = None, elem: int = 4,
+                 units: Sequence[int] | None = None, reshard_after_forward: bool = True) -> dict:
+    """The most rank `rank` of a ddp_lab run should hold in a step, by design (fp32 parameters:
+    precision=bf16|fp16 autocasts, it does not store 16-bit copies): parameters of `numels`
+    elements (registration order), `states` optimizer tensors per element, on `world_size` ranks.
+    What held_memory.py counts at its points, the largest of them.
+      ours (naive|ring|tree): zero=0 parameters P, gradients P, buckets P (a flat copy to
+        all-reduce). zero>=1 state P/N; gradients P/N (the shards') plus those made and not yet
+        packed (`_in_step`); buckets P at zero=1, the IN_FLIGHT largest at zero>=2 (the
+        pool). zero=3 (`units`: each unit's elements, forward order) parameters P/N plus the
+        units gathered at that moment. Receive scratch: the most any bucket's reduction keeps
+        (`scratch_numel`: ddp_lab.comm's, per algorithm), on the communication thread with
+        overlap; at zero=1|2 the parameters' all-gather's on the training thread (one buffer for
+        both where the thread and the dtype are the same; zero=3: always one thread).
       ddp: gradients P; its buckets and scratch are inside its C++ reducer and the backend (None:
         not counted); zero=1 state P/N (ZeroRedundancyOptimizer assigns whole parameters: a
         rank's share can be uneven).
@@ -276,22 +280,47 @@ def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, z
     if sync == "fsdp":
         return {"params_bytes": p / n, "grads_bytes": p / n, "optimizer_state_bytes": states * p / n,
                 "comm_buffer_bytes": None, "comm_scratch_bytes": None}
-    ours, sharded = sync not in ("ddp", "none"), zero >= 1
-    out = {"params_bytes": p, "grads_bytes": p / n if ours and sharded else p,
-           "optimizer_state_bytes": states * p / (n if sharded else 1),
-           "comm_buffer_bytes": None if sync == "ddp" else 0,
-           "comm_scratch_bytes": None if sync == "ddp" else 0}
-    if not ours:
-        return out
-    sizes = list(numels)[::-1]  # backward's order, as the sync cuts them
-    per_bucket = [sum(sizes[i] for i in g)
-                  for g in buckets.plan([k * comm_elem for k in sizes], bucket_mb, "ours")]
-    out["comm_buffer_bytes"] = (max(per_bucket) if zero == 2 else sum(per_bucket)) * comm_elem
-    reduce_op = "reduce_scatter" if zero == 2 else "all_reduce"
-    reduce = max(scratch_numel(sync, reduce_op, b, n, rank, comm_elem)
-                 for b in per_bucket) * comm_elem
+    sharded = zero >= 1
+    state = states * p / (n if sharded else 1)
+    if sync in ("ddp", "none"):
+        return {"params_bytes": p, "grads_bytes": p, "optimizer_state_bytes": state,
+                "comm_buffer_bytes": None if sync == "ddp" else 0,
+                "comm_scratch_bytes": None if sync == "ddp" else 0}
+    sizes = list(units)[::-1] if zero == 3 else [  # backward's order, as the sync cuts them
+        sum(numels[::-1][i] for i in g)
+        for g in buckets.plan([k * comm_elem for k in numels[::-1]], bucket_mb, "ours")]
+    params, grads = _in_step(sizes, n, zero, overlap, reshard_after_forward)
+    reduce_op = "all_reduce" if zero < 2 else "reduce_scatter"
+    reduce = max(scratch_numel(sync, reduce_op, b, n, rank, comm_elem) for b in sizes) * comm_elem
     gather = max(scratch_numel(sync, "all_gather", b, n, rank, elem)
-                 for b in per_bucket) * elem if sharded else 0
-    one_buffer = not overlap and comm_elem == elem  # the same thread and dtype: kept once
-    out["comm_scratch_bytes"] = max(reduce, gather) if one_buffer else reduce + gather
-    return out
+                 for b in sizes) * elem if sharded else 0
+    one_thread = zero == 3 or not overlap
+    return {"params_bytes": params * elem, "grads_bytes": grads * elem,
+            "optimizer_state_bytes": state,
+            "comm_buffer_bytes": sum(sorted(sizes)[-buckets.IN_FLIGHT:] if zero >= 2 else sizes)
+            * comm_elem,
+            "comm_scratch_bytes": max(reduce, gather) if one_thread and comm_elem == elem
+            else reduce + gather}
+
+
+def _in_step(sizes: Sequence[int], n: int, zero: int, overlap: bool,
+             reshard_after_forward: bool) -> tuple[float, float]:
+    """(parameter, gradient) elements held at the moment of a step that holds the most, buckets
+    (ZeRO-3: units) of `sizes` elements in backward order. zero>=1 releases a bucket's gradients
+    when it packs it (in bucket order: as backward makes them with overlap, all in finish()
+    without), zero=3 a unit's parameters after its forward (reshard_after_forward) and after its
+    backward; with overlap the next unit is gathered ahead (prefetch)."""
+    whole = sum(sizes)
+    if zero == 0:
+        return whole, whole
+    made = lambda j: sizes[j] if overlap else sum(sizes[:j + 1])  # gradients not yet packed
+    if zero < 3:
+        return whole, whole / n + (max(sizes) if overlap else whole)
+    ahead = lambda units, i: units[i + 1] if overlap and i + 1 < len(units) else 0  # prefetched
+    forward = sizes[::-1]
+    moments = [(forward[i] + ahead(forward, i), 0) for i in range(len(forward))
+               if reshard_after_forward]  # before each unit is freed after its forward
+    moments += [(sizes[j] + ahead(sizes, j) if reshard_after_forward else sum(sizes[j:]), made(j))
+                for j in range(len(sizes))]  # once each unit's gradients are all made
+    gathered, grads = max(moments, key=sum)
+    return whole / n + gathered, whole / n + grads

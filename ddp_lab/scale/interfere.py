@@ -50,7 +50,7 @@ from ddp_lab.dtypes import element_size
 from ddp_lab.perf.probe import derive
 from ddp_lab.perf.step import bucket_layout
 from ddp_lab.step import TrainStep, build_parts
-from ddp_lab.sync.bucketed import comm_thread_init
+from ddp_lab.sync.comm_thread import comm_thread_init
 
 
 def point_config(overrides: list[str]):

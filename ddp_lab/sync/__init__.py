@@ -15,6 +15,7 @@ from ddp_lab.sync.ddp import DDPSync
 from ddp_lab.sync.bucketed import BucketedSync
 from ddp_lab.sync.zero import ShardedSync
 from ddp_lab.sync.fsdp import FSDPSync
+from ddp_lab.sync.zero3 import ZeRO3Sync
 
 
 def build_sync(scfg, info: DistInfo) -> GradSync:
@@ -26,9 +27,9 @@ def build_sync(scfg, info: DistInfo) -> GradSync:
                               f"(or {'/'.join(OURS)})")
         return NoSync()
     if sync is BucketedSync and scfg.zero:  # ZeRO: each rank updates its shard of every bucket
-        sync = ShardedSync
+        sync = ZeRO3Sync if scfg.zero == 3 else ShardedSync
     return sync(scfg, info.device, info.world_size)
 
 
 __all__ = ["BucketedSync", "DDPSync", "FSDPSync", "GradSync", "NoSync", "SYNCS", "ShardedSync", "SyncConfig",
-           "build_sync"]
+           "ZeRO3Sync", "build_sync"]

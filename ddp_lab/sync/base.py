@@ -21,6 +21,10 @@ from torch.distributed.tensor import DTensor
 class GradSync:
     name = "base"
     tracer = None  # train.trace: a ddp_lab.trace.Tracer the sync stamps its communication into
+    # The memory count (ddp_lab/held_memory.py), for one step: a callable the sync calls just
+    # before it releases memory inside a step (ZeRO: a bucket's gradients, a unit's parameters),
+    # where what it holds is at a local maximum.
+    held_probe = None
 
     def _tracing(self) -> bool:
         return self.tracer is not None and self.tracer.step is not None
@@ -82,6 +86,12 @@ class GradSync:
         """This rank's part of a checkpoint `state_shards` wrote at any world size, read through
         `shards` (ddp_lab.sharded_checkpoint.Shards: collective, as DCP is)."""
         raise NotImplementedError(f"sync={self.name} keeps whole copies: checkpoint.pt")
+
+    def unsharded(self):
+        """Collective, outside a step: a context in which every parameter of the model is whole
+        on every rank (what reads or writes the whole model: checkpoints, the replica check).
+        ZeRO-3 gathers them, and on exit keeps its shard of what they then hold."""
+        return contextlib.nullcontext()
 
     def kept_grads(self) -> list[torch.Tensor]:
         """Gradient tensors the sync keeps across steps beside the parameters' `.grad` (ZeRO: the

@@ -22,7 +22,7 @@ overlap=true
     re-raises anything that failed there.
     - CPU (gloo): gloo ops block the calling thread, hence the thread: all the step's
       communication runs there and the training thread only waits in finish(). Its copies and
-      adds run on one core (`comm_thread_init`), as gloo's own workers reduce.
+      adds run on one core (ddp_lab/sync/comm_thread.py), as gloo's own workers reduce.
     - CUDA (NCCL): the same thread, issuing on a side stream of its own. The hook records an event
       on the stream that produced the gradient and the side stream waits on it before reading
       (packing) the grads; NCCL work is ordered after the side stream by the process group, and
@@ -49,8 +49,6 @@ spent inside all-reduce calls in that step (CUDA: events on the communication st
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -62,6 +60,7 @@ from ddp_lab import buckets, comm
 from ddp_lab.dtypes import DTYPES
 from ddp_lab.comm.p2p import Recorder, recording
 from ddp_lab.sync.base import GradSync
+from ddp_lab.sync.comm_thread import CommThread
 from ddp_lab.sync.config import SYNCS
 
 
@@ -69,8 +68,14 @@ from ddp_lab.sync.config import SYNCS
 class Bucket:
     index: int
     params: list[nn.Parameter]
-    buffer: torch.Tensor  # flat, in the dtype the gradients travel in
+    # flat, in the dtype the gradients travel in (ZeRO-2/3: a view of a pool's buffer, for its
+    # size: packing borrows one, zero.py)
+    buffer: torch.Tensor
     views: list[torch.Tensor]  # buffer slices shaped (and strided) like each parameter
+
+    @property
+    def numel(self) -> int:
+        return self.buffer.numel()
 
     @property
     def nbytes(self) -> int:
@@ -92,13 +97,15 @@ class BucketedSync(GradSync):
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, int] = {}
         self._hooks = []
-        self._worker: _CommThread | None = None
+        self._worker: CommThread | None = None
         self._enabled = True  # False inside no_sync()
         self._recorder = Recorder()
         self._busy_s = 0.0  # CPU: host time inside all_reduce this step
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA
         self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
-        self._last = {"bytes_per_step": 0, "comm_busy_ms": float("nan"), "launched_in_backward": 0}
+        self._calls: dict[str, int] = {}  # collectives run this step, by name (counted ones)
+        self._last = {"bytes_per_step": 0, "comm_busy_ms": float("nan"), "launched_in_backward": 0,
+                      "collectives": {}}
         self._reset_step()
 
     # ---- set-up ----
@@ -112,11 +119,16 @@ class BucketedSync(GradSync):
         self.buckets = self._build_buckets(self.params)
         self._bucket_of = {p: b.index for b in self.buckets for p in b.params}
         if self.overlap:
-            self._worker = _CommThread(self._reduce_bucket, self.device)
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                           for p in self.params]
+            self._worker = CommThread(self.device)
+        self._hooks = self._install_hooks(model)
         self._reset_step()
         return model
+
+    def _install_hooks(self, model: nn.Module) -> list:
+        """overlap=true: a hook on every parameter that counts it ready in its bucket."""
+        if not self.overlap:
+            return []
+        return [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def _build_buckets(self, params) -> list[Bucket]:
         params = params[::-1]  # backward makes the last layers' grads first
@@ -124,6 +136,10 @@ class BucketedSync(GradSync):
         groups = buckets.plan([p.numel() * d.itemsize for p, d in zip(params, dtypes)],
                               self.bucket_mb, "ours",
                               keys=[(p.device, d) for p, d in zip(params, dtypes)])
+        return self._buckets_of(params, groups, dtypes)
+
+    def _buckets_of(self, params, groups: list[list[int]], dtypes) -> list[Bucket]:
+        """A Bucket per group of indices into `params`, in that order, with its buffer."""
         buffers = self._bucket_buffers([(sum(params[i].numel() for i in g), dtypes[g[0]],
                                          params[g[0]].device) for g in groups])
         out = []
@@ -167,9 +183,17 @@ class BucketedSync(GradSync):
         # Launch strictly in bucket order, so every rank issues the same sequence of all-reduces.
         while (self._launched < len(self.buckets)
                and self._ready[self._launched] == len(self.buckets[self._launched].params)):
-            self._worker.submit(self._launched, self._ready_event())
+            self._launch(self._launched)
             self._launched += 1
             self._launched_in_backward += 1
+
+    def _launch(self, b: int) -> None:
+        """Reduce bucket b, whose gradients are all made: on the communication thread (overlap),
+        else here."""
+        if self._worker is None:
+            self._reduce_bucket(b, None)
+        else:
+            self._worker.submit(self._reduce_bucket, b, self._ready_event())
 
     def _ready_event(self):
         """CUDA: an event after the gradient-producing work on the current stream."""
@@ -190,17 +214,13 @@ class BucketedSync(GradSync):
             for b in range(len(self.buckets)):
                 self.tracer.instant("compute", "bucket_ready", now, bucket=b)
         try:
-            if self.overlap:
-                event = self._ready_event()
-                for b in range(self._launched, len(self.buckets)):  # the rest, still in order
-                    self._worker.submit(b, event)
-                self._launched = len(self.buckets)
+            for b in range(self._launched, len(self.buckets)):  # the rest, still in order
+                self._launch(b)
+            self._launched = len(self.buckets)
+            if self._worker is not None:
                 self._worker.flush()  # waits for every bucket; raises what failed in the thread
                 if self.cuda:
                     torch.cuda.current_stream().wait_event(self._worker.done_event)
-            else:
-                for b in range(len(self.buckets)):
-                    self._reduce_bucket(b, None)
         finally:
             self._end_step()  # a failed step leaves the next one a clean slate
 
@@ -210,7 +230,7 @@ class BucketedSync(GradSync):
         if ready_event is not None:
             torch.cuda.current_stream().wait_event(ready_event)
         with torch.no_grad():
-            self._pack(bucket)
+            self._pack(bucket.params, bucket.views)
             self._communicate(b, comm.all_reduce, bucket.buffer)
             for p, view in zip(bucket.params, bucket.views):
                 if self.comm_dtype is None and self.world_size > 1:
@@ -218,16 +238,23 @@ class BucketedSync(GradSync):
                 else:
                     p.grad.copy_(view)  # (low dtype: divided before the cast already)
 
-    def _pack(self, bucket: Bucket) -> None:
-        for p, view in zip(bucket.params, bucket.views):
+    def _pack(self, params, views) -> None:
+        """Each parameter's gradient into its view of a bucket buffer."""
+        for p, view in zip(params, views):
             if self.comm_dtype is None:
                 view.copy_(p.grad)
             else:  # divide before casting down: the fp16 sum of averages cannot overflow
                 torch.div(p.grad, self.world_size, out=view)
 
-    def _communicate(self, b: int, collective, *tensors, span: str = "allreduce") -> None:
+    def _communicate(self, b: int, collective, *tensors, span: str = "allreduce",
+                     counted: bool = True) -> None:
         """`collective(*tensors, algo, group)` for bucket b: counted, timed (comm_busy_ms) and
-        traced (a `span` on the comm lane, with what crossed to other nodes where any did)."""
+        traced (a `span` on the comm lane, with what crossed to other nodes where any did);
+        `counted=False` (outside a training step): none of those."""
+        if not counted:
+            collective(*tensors, self.algo, self.group)
+            return
+        self._calls[collective.__name__] = self._calls.get(collective.__name__, 0) + 1
         crossed = self._recorder.cross_node_bytes
         with recording(self._recorder):
             if self.cuda:
@@ -250,7 +277,9 @@ class BucketedSync(GradSync):
     def _end_step(self) -> None:
         self._last = {"bytes_per_step": self._recorder.bytes_sent,
                       "comm_busy_ms": self._busy_s * 1e3 if not self.cuda else float("nan"),
-                      "launched_in_backward": self._launched_in_backward}
+                      "launched_in_backward": self._launched_in_backward,
+                      "collectives": self._calls}
+        self._calls = {}
         if self.cuda:
             self._pending_busy.append(self._busy_events)
             self._busy_events = []
@@ -288,7 +317,8 @@ class BucketedSync(GradSync):
                 "comm_dtype": str(self.comm_dtype or "grad dtype").replace("torch.", ""),
                 "buckets": len(self.buckets), "bucket_bytes": [b.nbytes for b in self.buckets],
                 "bytes_per_step": self.bytes_per_step(), "comm_busy_ms": self.comm_busy_ms(),
-                "buckets_launched_in_backward": self._last["launched_in_backward"]}
+                "buckets_launched_in_backward": self._last["launched_in_backward"],
+                "collectives_per_step": dict(self._last["collectives"])}
 
     def comm_buffers(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.buckets]
@@ -302,9 +332,11 @@ class BucketedSync(GradSync):
             self._worker = None
 
 
-# Every collective of ours is a sync (with sync.zero>=1, zero.py's ShardedSync: build_sync).
+# Every collective of ours is a sync (with sync.zero>=1 zero.py's ShardedSync, at 3 zero3.py's
+# ZeRO3Sync: build_sync).
 for _algo in comm.OURS:
-    SYNCS.register(_algo, BucketedSync, reads=("bucket_mb", "overlap", "comm_dtype", "zero"))
+    SYNCS.register(_algo, BucketedSync, reads=("bucket_mb", "overlap", "comm_dtype", "zero",
+                                               "reshard_after_forward"))
 
 
 def comm_dtype(name: str) -> torch.dtype | None:
@@ -332,67 +364,3 @@ class _Disabled(contextlib.AbstractContextManager):
     def __exit__(self, *exc):
         self.sync._enabled = self.prev
         return False
-
-
-class _CommThread:
-    """Runs bucket all-reduces in submission order, off the training thread (and, on CUDA, on a
-    stream of its own). One thread for the whole run; a job that fails makes the rest of the
-    step's jobs be skipped and its exception is raised by the next flush()."""
-
-    def __init__(self, run, device: torch.device):
-        self._run, self.device = run, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.done_event = None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="ddp_lab-comm", daemon=True)
-        self._thread.start()
-
-    def submit(self, bucket: int, ready_event) -> None:
-        self._jobs.put(("bucket", bucket, ready_event))
-
-    def flush(self) -> None:
-        done = threading.Event()
-        self._jobs.put(("flush", done, None))
-        while not done.wait(1.0):
-            if not self._thread.is_alive():
-                raise RuntimeError("the communication thread died")
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def close(self) -> None:
-        self._jobs.put(("stop", None, None))
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        comm_thread_init(self.device)
-        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        with ctx:
-            while True:
-                kind, arg, ready_event = self._jobs.get()
-                if kind == "stop":
-                    return
-                if kind == "flush":
-                    if self.stream is not None:
-                        self.done_event = torch.cuda.Event()
-                        self.done_event.record(self.stream)
-                    arg.set()
-                    continue
-                if self._error is None:
-                    try:
-                        self._run(arg, ready_event)
-                    except BaseException as e:  # noqa: BLE001 - re-raised in flush()
-                        self._error = e
-
-
-def comm_thread_init(device: torch.device) -> None:
-    """Set up the calling thread to run the all-reduces beside backward. CUDA: its device. CPU:
-    one intra-op thread, for the copies and adds run here would start a second OpenMP team on the
-    cores backward's team already uses, and each team's threads then wait on the other's
-    descheduled ones (torch.set_num_threads: this thread's team; threads started later default to
-    it too, and the training loop starts none)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)

@@ -35,9 +35,10 @@ class SyncConfig:
     gradient_as_bucket_view: bool = key(False, read_by=SYNCS)  # DDP only
     static_graph: bool = key(False, read_by=SYNCS)  # DDP only
     # ZeRO stage: 0 none; 1 optimizer state sharded over the ranks; 2 gradients too (reduce-scatter
-    # instead of all-reduce). naive|ring|tree: ddp_lab/sync/zero.py; ddp: 1 only, torch's
-    # ZeroRedundancyOptimizer; none: nothing to shard over
-    zero: int = key(0, choices=(0, 1, 2), read_by=SYNCS)
+    # instead of all-reduce); 3 parameters too, gathered module by module. naive|ring|tree:
+    # ddp_lab/sync/zero.py, zero3.py; ddp: 1 only, torch's ZeroRedundancyOptimizer; none: nothing
+    # to shard over
+    zero: int = key(0, choices=(0, 1, 2, 3), read_by=SYNCS)
     # Gradient compression, bucket by bucket (ddp_lab/compress): none | bf16 | fp16 (the all-reduce
     # in 16 bits; ours: sync.comm_dtype's other name) | powersgd | topk. sync=ddp runs torch's own
     # comm hooks (bf16_compress_hook, fp16_compress_hook, powerSGD_hook): the reference.
@@ -51,9 +52,9 @@ class SyncConfig:
     compress_start: int = key(0, at_least=0, only_with=("compress", ("powersgd", "topk")))
     # PowerSGD compresses a matrix only where (rows + cols) r x this < rows x cols (torch's rule)
     min_compression_rate: float = key(2.0, positive=True, only_with=("compress", ("powersgd",)))
-    # Sharded parameters (sync=fsdp): free a unit's gathered parameters after its forward and
-    # gather them again for backward (true), or keep them until backward (false: one all-gather
-    # fewer a step, every unit's whole parameters held between forward and backward)
+    # Sharded parameters (sync.zero=3, sync=fsdp): free each unit's parameters after its forward
+    # and gather them again for its backward (true), or keep them from forward to backward
+    # (false: one all-gather fewer a step, every unit's whole parameters held in between)
     reshard_after_forward: bool = key(True, read_by=SYNCS)
 
 
@@ -69,6 +70,19 @@ def check_sync(cfg) -> None:
         raise ConfigError("optim.impl=fused with sync=fsdp and optim=sgd: torch has no fused SGD "
                           "for DTensor parameters (aten._fused_sgd_); use optim.impl=foreach "
                           "(auto picks it)")
+    if s.name == "ddp" and s.zero == 3:
+        raise ConfigError("sync.zero=3 with sync=ddp: torch's fully sharded data parallelism is "
+                          f"sync=fsdp (its fully_shard); ours is sync={'|'.join(OURS)} sync.zero=3")
+    if not s.reshard_after_forward and s.zero != 3 and s.name != "fsdp":
+        raise ConfigError(f"sync.reshard_after_forward=false has no effect at sync.zero={s.zero}, "
+                          "only at sync.zero=3 (parameters sharded); leave it at true")
+    if s.zero == 3 and cfg.train.compile:
+        raise ConfigError("train.compile=true with sync.zero=3: ZeRO-3's module hooks gather and "
+                          "free parameters around each module, which torch.compile does not "
+                          "trace; run with train.compile=false")
+    if s.zero == 3 and cfg.fault.perturb_rank >= 0:
+        raise ConfigError("fault.perturb_rank with sync.zero=3: the parameters are sharded, there "
+                          "are no replicas to make differ; use sync.zero<=2")
     if s.name == "ddp" and s.zero > 1:
         raise ConfigError(f"sync.zero={s.zero} with sync=ddp: torch's ZeroRedundancyOptimizer "
                           f"shards optimizer state only (ZeRO-1); use sync.zero=1, or "
