@@ -45,8 +45,10 @@ def test_stage_bytes_and_busy_time_on_a_ring(n):
     """Stage 2 moves what stage 0 does (reduce-scatter + all-gather = all-reduce), stage 1 half
     as much again; every stage's step is compute + exposed + the exposed all-gather."""
     g = 100 * MIB
-    b0, b1, b2 = (step.bytes_per_step("ring", g, n, z) for z in (0, 1, 2))
+    b0, b1, b2, b3 = (step.bytes_per_step("ring", g, n, z) for z in (0, 1, 2, 3))
     assert b2 == pytest.approx(b0) and b1 == pytest.approx(1.5 * b0)
+    assert b3 == pytest.approx(1.5 * b0)  # the ZeRO paper's 1.5x: the parameters gathered twice
+    assert step.bytes_per_step("ring", g, n, 3, reshard_after_forward=False) == pytest.approx(b0)
     assert step.bytes_per_step("naive", g, n, 2, param_bytes=2 * g) == pytest.approx(
         cost("naive", g, n, "reduce_scatter").bytes_per_rank
         + cost("naive", 2 * g, n, "all_gather").bytes_per_rank)
@@ -56,7 +58,9 @@ def test_stage_bytes_and_busy_time_on_a_ring(n):
     assert s0.gather_s == 0 and s1.gather_s > 0 and s1.gather_s == pytest.approx(s2.gather_s)
     assert s2.busy_s == pytest.approx(s0.busy_s, rel=1e-9)
     assert s1.busy_s == pytest.approx(s0.busy_s + s1.gather_s, rel=1e-9)
-    for s in (s0, s1, s2):
+    s3 = step.predict_step(profile, FLAT, "ring", n, **kw, zero=3)
+    assert s3.gather_s == pytest.approx(2 * s2.gather_s) and s3.exposed_s == s2.exposed_s
+    for s in (s0, s1, s2, s3):
         assert s.step_s == pytest.approx(0.1 + s.exposed_s + s.gather_s, rel=1e-12)
     assert s0.step_s < s2.step_s < s1.step_s  # nothing hides the all-gather
 
@@ -92,6 +96,10 @@ def test_a_zero_point_updates_one_shard_then_gathers():
     assert p2["pred_guard_ms"] - p0["pred_guard_ms"] == pytest.approx(-2.0 / 2)  # one shard
     assert p2["pred_exposed_comm_ms"] < p0["pred_exposed_comm_ms"]  # half the bytes in backward
     assert predict.gather_ms(row, _point(2, n=1), fits[("ring", "gloo")], None) == 0.0
+    three = _point(3)  # each unit gathered before forward and again before backward
+    assert predict.gather_ms(row, three, fits[("ring", "gloo")], None) == pytest.approx(2 * gather)
+    three.config["sync"]["reshard_after_forward"] = False
+    assert predict.gather_ms(row, three, fits[("ring", "gloo")], None) == pytest.approx(gather)
 
 
 def _sim(**kw):
@@ -112,13 +120,16 @@ def test_the_simulation_says_which_stage_fits_and_what_it_costs(tmp_path):
     assert rows["70 B"]["zero=2"] == "never" and rows["70 B"]["zero=3"].startswith("14; at 16: ")
     steps = simulate.zero_step_rows(FLAT, "ring", {"alexnet_cifar": 0.02}, sim,
                                     params.NO_INTERFERENCE)
-    assert len(steps) == 3 * 2
+    assert len(steps) == 4 * 2
     eff = {(r["zero"], r["world_size"]): r["efficiency"] for r in steps}
     for n in (8, 64):
         assert eff[(1, n)] < eff[(2, n)] <= 1.0 and eff[(0, n)] <= 1.0
+        # stage 3 = stage 2 + one more exposed gather; on a ring it is at best stage 1 (whose
+        # all-reduce is a reduce-scatter + a gather, partly hidden by backward)
+        assert eff[(3, n)] < eff[(2, n)] and eff[(3, n)] <= eff[(1, n)] * (1 + 1e-12)
     state = {(r["zero"], r["world_size"]): r["state_GB_per_gpu"] for r in steps}
-    assert state[(2, 64)] < state[(1, 64)] < state[(0, 64)] == state[(0, 8)]
+    assert state[(3, 64)] < state[(2, 64)] < state[(1, 64)] < state[(0, 64)] == state[(0, 8)]
     with pytest.raises(ConfigError, match="sim.zero_stages"):
-        check_sim(_sim(zero_stages=[0, 3]))
+        check_sim(_sim(zero_stages=[0, 4]))
     with pytest.raises(ConfigError, match="sim.gpu_gb"):
         check_sim(_sim(gpu_gb=0))

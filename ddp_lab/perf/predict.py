@@ -46,7 +46,8 @@ from ddp_lab.perf.compute import profile_model
 from ddp_lab.perf.fit import Fit
 from ddp_lab.perf.params import NO_INTERFERENCE
 from ddp_lab.perf.probe import Probe
-from ddp_lab.perf.step import ZERO_OPS, Bucket, Schedule, buckets_of, bytes_per_step, schedule
+from ddp_lab.perf.step import (ZERO_OPS, Bucket, Schedule, buckets_of, bytes_per_step, gathers,
+                               schedule)
 
 PHASES = ("data", "forward", "backward", "sync", "exposed_comm", "guard", "optim", "other")
 NAN = float("nan")
@@ -65,6 +66,11 @@ def _setting(point, key: str):
 
 def _zero(point) -> int:
     return int(_setting(point, "sync.zero"))
+
+
+def _reshards(point) -> bool:
+    """sync.reshard_after_forward (runs from before the key had it: true, as they did)."""
+    return bool(point.config["sync"].get("reshard_after_forward", True))
 
 
 def fit_for(fits: dict, sync: str, backend: str) -> tuple[Fit | None, str]:
@@ -121,14 +127,16 @@ def bucket_time_s(nbytes: int, point, fit: Fit, measured: dict) -> float:
 
 
 def gather_ms(row: dict, point, fit: Fit | None, probe: Probe | None) -> float:
-    """ZeRO: the all-gather of every bucket's parameters (fp32) after the optimizer, as the fit
-    prices it; 0 without ZeRO or at N=1."""
+    """ZeRO: the all-gathers of every bucket's parameters (fp32; `gathers` of them a step), as
+    the fit prices them, exposed; 0 without ZeRO or at N=1. (Stage 3 gathers per unit, one per
+    module: priced over the buckets here, the same bytes, its count of latencies not modelled.)"""
     n = point.world_size
     if not _zero(point) or n < 2 or fit is None:
         return 0.0
     elem = element_size(_setting(point, "sync.comm_dtype"))
-    return sum(fit.time_s(b.nbytes * 4 / elem, n, "all_gather")
-               for b in _buckets(row, point, probe)) * 1e3
+    times = gathers(_zero(point), _reshards(point))
+    return times * sum(fit.time_s(b.nbytes * 4 / elem, n, "all_gather")
+                       for b in _buckets(row, point, probe)) * 1e3
 
 
 def predict_phases(row: dict, point, base: dict, fits: dict, probe: Probe | None) -> dict:
@@ -234,8 +242,8 @@ def predict_rows(rows: list[dict], points: list, fits: dict, probes: dict,
             row["pred_note"] = "no resolved training config (run_info.json): nothing to price"
             continue
         row["pred_bytes_per_step"] = (bytes_per_step(
-            _algo(p.sync), row["grad_bytes"], n, _zero(p),
-            4 * p.summary["parameters"]) if p.sync != "none" else 0.0)
+            _algo(p.sync), row["grad_bytes"], n, _zero(p), 4 * p.summary["parameters"],
+            _reshards(p)) if p.sync != "none" else 0.0)
         base = bases.get(p.name)
         fit, fit_note = fit_for(fits, p.sync, row["backend"])
         if base is None:

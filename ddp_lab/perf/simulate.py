@@ -38,7 +38,7 @@ from ddp_lab.perf import memory as mem
 from ddp_lab.perf.compute import profile_model
 from ddp_lab.perf.params import (NO_INTERFERENCE, Compute, PRESETS, Interference, Network,
                                  measured_network)
-from ddp_lab.perf.step import ZERO_OPS, predict_step
+from ddp_lab.perf.step import ZERO_OPS, gathers, predict_step
 
 BF16 = 2  # bytes of a 16-bit gradient or weight (the ZeRO section's)
 MSG_SIZES = [2 ** k for k in range(10, 31, 2)]  # 1 KiB ... 1 GiB
@@ -222,15 +222,15 @@ def _pow2_at_least(n: int) -> int:
 def zero_comm_ms(network: Network, algo: str, params: float, stage: int, n: int) -> dict:
     """One step's collectives for `params` 16-bit gradients and weights as whole messages
     (bandwidth-bound: buckets only add latency): the gradients' op and the weights'
-    all-gathers (stage 3, on paper: before forward and again before backward)."""
-    reduce, gather = ZERO_OPS[min(stage, 2)]
+    all-gathers (`gathers`: at stage 3 before forward and again before backward)."""
+    reduce, gather = ZERO_OPS[stage]
     one = lambda op: 1e3 * network.collective_s(op, algo, params * BF16, n) if op else 0.0
-    return {"reduce_ms": one(reduce), "gather_ms": (2 if stage == 3 else 1) * one(gather)}
+    return {"reduce_ms": one(reduce), "gather_ms": gathers(stage) * one(gather)}
 
 
 def zero_needs(network: Network, algo: str, params: float, gpu_gb: float) -> dict:
     """For a model of `params` parameters: its unsharded training state (GB), and per ZeRO stage
-    (3 on paper: ddp_lab trains 0-2) None where no GPU count of `gpu_gb` GB holds it, else the
+    None where no GPU count of `gpu_gb` GB holds it, else the
     fewest that do (`gpus`) and the communication per step (`zero_comm_ms`) on N GPUs (`at`), N
     the power of two at or above both that and one node of 8."""
     out = {"state_GB": mem.zero_bytes(params, 0, 1)["total"] / mem.GB}

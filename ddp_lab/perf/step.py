@@ -21,8 +21,11 @@ t(bucket_b): the model before interference. Without overlap every bucket starts 
 ends. Not modelled here: DDP's re-ordering of buckets after the first step; contention between
 ranks and stragglers are the sweep's (ddp_lab/perf/predict.py).
 
-ZeRO (`ZERO_OPS`): stage 1 all-gathers the parameters after the optimizer, stage 2 also
-reduce-scatters the gradients instead of all-reducing them.
+ZeRO (`ZERO_OPS`, `gathers`): stage 1 all-gathers the parameters after the optimizer, stage 2
+also reduce-scatters the gradients instead of all-reducing them, stage 3 gathers each unit before
+its forward and again before its backward (once with reshard_after_forward=false). Stage 3's
+prefetch overlaps those gathers with compute; the model does not: it counts them all exposed, an
+upper bound on what they cost.
 """
 
 from __future__ import annotations
@@ -141,21 +144,28 @@ def exposed_comm_s(buckets: Sequence[Bucket], backward_s: float,
 
 
 ZERO_OPS = {0: ("all_reduce", None), 1: ("all_reduce", "all_gather"),
-            2: ("reduce_scatter", "all_gather")}  # ZeRO stage -> (gradient op, parameter op)
+            2: ("reduce_scatter", "all_gather"),
+            3: ("reduce_scatter", "all_gather")}  # ZeRO stage -> (gradient op, parameter op)
+
+
+def gathers(zero: int, reshard_after_forward: bool = True) -> int:
+    """How often a step all-gathers the parameters at ZeRO stage `zero`."""
+    return 2 if zero == 3 and reshard_after_forward else int(zero > 0)
 
 
 def bytes_per_step(algo: str, grad_bytes: float, world_size: int, zero: int = 0,
-                   param_bytes: float | None = None) -> float:
+                   param_bytes: float | None = None, reshard_after_forward: bool = True) -> float:
     """Bytes the busiest rank (rank 0 for naive and tree) sends per step for `grad_bytes` of
     gradients; linear in the size, so bucketing does not change it (up to chunk rounding). ZeRO
-    adds the all-gather of `param_bytes` (default: as many as the gradients) and, at stage 2,
-    reduce-scatters the gradients instead of all-reducing them."""
+    adds the all-gathers (`gathers`) of `param_bytes` (default: as many as the gradients) and,
+    from stage 2, reduce-scatters the gradients instead of all-reducing them."""
     algo = "ring" if algo in ("ddp", "native") else algo
     reduce, gather = ZERO_OPS[zero]
     out = cost(algo, grad_bytes, world_size, reduce).bytes_per_rank
     if gather:
-        out += cost(algo, grad_bytes if param_bytes is None else param_bytes, world_size,
-                    gather).bytes_per_rank
+        out += gathers(zero, reshard_after_forward) * cost(
+            algo, grad_bytes if param_bytes is None else param_bytes, world_size,
+            gather).bytes_per_rank
     return out
 
 
@@ -168,7 +178,7 @@ class StepPrediction:
     buckets: int
     slowdown_s: float = 0.0  # backward lost to communication beside it (interference)
     wait_s: float = 0.0  # communication left after backward
-    gather_s: float = 0.0  # ZeRO: the parameters' all-gather after the optimizer (exposed)
+    gather_s: float = 0.0  # ZeRO: the parameters' all-gathers (exposed: `gathers` of them)
 
     def efficiency(self, step1_s: float, scale: float = 1.0) -> float:
         return step1_s / (scale * self.step_s)
@@ -181,16 +191,16 @@ def predict_step(profile: ModelProfile, network: Network, algo: str, world_size:
                  interference: Interference = NO_INTERFERENCE, zero: int = 0) -> StepPrediction:
     """One step on `world_size` ranks: the single-rank phases plus the modelled exposed
     communication of `algo` on `network`, slowed by `interference` where it overlaps backward.
-    ZeRO stage `zero`: the buckets reduce-scattered at 2, and at 1 and 2 each bucket's
-    parameters (`elem_bytes` per element, as the gradients) all-gathered after the optimizer,
-    exposed (the next forward reads them)."""
+    ZeRO stage `zero`: the buckets reduce-scattered from 2, and each bucket's parameters
+    (`elem_bytes` per element, as the gradients) all-gathered `gathers(zero)` times, exposed (at
+    1 and 2 after the optimizer, the next forward reads them; at 3 see the module)."""
     buckets = make_buckets(profile, bucket_mb, elem_bytes, first_bucket_mb)
     reduce, gather = ZERO_OPS[zero]
     s = schedule(buckets, backward_s,
                  lambda nb: network.collective_s(reduce, algo, nb, world_size), overlap,
                  interference)
-    gather_s = sum(network.collective_s(gather, algo, b.nbytes, world_size)
-                   for b in buckets) if gather else 0.0
+    gather_s = gathers(zero) * sum(network.collective_s(gather, algo, b.nbytes, world_size)
+                                   for b in buckets) if gather else 0.0
     return StepPrediction(forward_s + backward_s + other_s + s.exposed_s + gather_s,
                           forward_s + backward_s, s.exposed_s, s.busy_s + gather_s, len(buckets),
                           s.slowdown_s, s.wait_s, gather_s)

@@ -57,7 +57,7 @@ class SimConfig:
     interference_band: list[float] = field(default_factory=lambda: [1.0, 1.3])
     # ZeRO (ddp_lab/perf/simulate.py): the stages compared, the model sizes (billions of
     # parameters: AlexNet, GPT-2 XL, 7B, 13B, 70B, GPT-3) and the GPU memory they must fit.
-    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2])
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     zero_params_b: list[float] = field(default_factory=lambda: [0.061, 1.5, 7.0, 13.0, 70.0,
                                                                 175.0])
     gpu_gb: float = 80.0

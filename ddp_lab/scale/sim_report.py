@@ -282,10 +282,10 @@ def zero_section(out: Sections, network: Network, algo: str, times: dict, sim,
     rows = simulate.zero_step_rows(network, algo, times, sim, simulate.assumed_interference(sim))
     write_rows(rows, out_dir, "simulation_zero")
     out.table(f"ZeRO: the fewest GPUs of {sim.gpu_gb:g} GB that hold the training state "
-              "(mixed precision + Adam; activations on top; stage 3 on paper), and at N GPUs "
+              "(mixed precision + Adam; activations on top), and at N GPUs "
               "(a power of two, at least 8) the gradients' reduction + the weights' "
               f"all-gather(s) per step on {network.name} ({algo}, 16-bit)",
               zero_memory_rows(network, algo, sim))
     out.table(f"ZeRO: efficiency per stage on {network.name} ({algo}, bf16, "
-              f"{sim.bucket_mb:g} MB buckets; the all-gather exposed after the optimizer)",
+              f"{sim.bucket_mb:g} MB buckets; every all-gather exposed: at stage 3 an upper bound)",
               zero_efficiency_table(rows))
