@@ -28,7 +28,9 @@ of nodes, a layout that cannot exist, a rank predicted to hold more than `dry_ru
 naive's N-1 whole-bucket receive buffers on rank 0 over it, or a rank this host cannot hold
 (the dry run allocates one rank's buffers at a time, for real).
 
-Output: a table on stdout and dry_run.json in the run dir (outputs/dry_run/<overrides>/).
+Output: a table on stdout; dry_run.json (the counts, the model's figures, a row per rank) and
+dry_run_info.json (the resolved config, versions, host) in the run dir,
+outputs/dry_run/<overrides>/.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from omegaconf import OmegaConf
 # Imported for its side effect too: it registers the "fake" backend with torch.distributed.
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ddp_lab import buckets, comm
+from ddp_lab import buckets, comm, provenance
 from ddp_lab.config import Config, validate
 from ddp_lab.dist import DistInfo
 from ddp_lab.dtypes import element_size
@@ -136,7 +138,6 @@ def check_layout(cfg) -> list[int]:
 @dataclass(frozen=True)
 class Plan:
     """What the model says before the run: the buckets, each collective, each rank's memory."""
-    numels: list[int]  # parameter elements, registration order
     bucket_numels: list[int]  # elements per bucket, in bucket order
     comm_elem: int  # bytes of an element as the gradients travel
     calls: list[tuple[str, int, int]]  # one step's collectives, in order: (op, numel, elem)
@@ -161,7 +162,7 @@ def make_plan(cfg) -> Plan:
     held = [predict_held(numels, cfg.world_size, r, s.name, s.zero, states, s.bucket_mb,
                          comm_elem, s.overlap, comm.scratch_numel)
             for r in range(cfg.world_size)]
-    return Plan(numels, bucket_numels, comm_elem, calls, held)
+    return Plan(bucket_numels, comm_elem, calls, held)
 
 
 def check_memory(cfg, plan: Plan) -> None:
@@ -365,10 +366,16 @@ def _versus(counted: float, model: float) -> str:
 
 
 def run(cfg, run_dir: str) -> None:
+    """The command: dry_run.json and dry_run_info.json (how it was made) in `run_dir`, the table
+    on stdout."""
     torch.set_num_threads(1)  # one core: the ranks take turns anyway
     out = dry_run(cfg, progress=True)
+    head = json.dumps({k: v for k, v in out.items() if k != "per_rank"}, indent=1)
+    rows = ",\n  ".join(json.dumps(r) for r in out["per_rank"])  # a rank a line: 1,024 lines
     with open(os.path.join(run_dir, "dry_run.json"), "w") as f:
-        json.dump(out, f, indent=1)
+        f.write(f'{head[:-2]},\n "per_rank": [\n  {rows}\n ]\n}}\n')
+    provenance.write(os.path.join(run_dir, "dry_run_info.json"),
+                     OmegaConf.to_container(cfg, resolve=True), device="cpu")
     print(report(out), flush=True)
     print(f"-> {os.path.join(run_dir, 'dry_run.json')}", flush=True)
 
