@@ -23,10 +23,11 @@ garbage. Only counts are checked, each beside the performance model's figure:
     memory         perf.memory.predict_held: what the rank would hold on its device (training
                    state, buckets, scratch; activations come on top)
 
-Refused before any rank runs, in one line (ConfigError): a world size that is not a whole number
-of nodes, a layout that cannot exist, a rank predicted to hold more than `dry_run.device_gb`,
-naive's N-1 whole-bucket receive buffers on rank 0 over it, or a rank this host cannot hold
-(the dry run allocates one rank's buffers at a time, for real).
+Refused before any rank runs, in one line (ConfigError): a layout that cannot exist (ranks that
+are not there; with sync=hring's nodes, a world size that is not a whole number of them: see
+node_size), a rank predicted to hold more than `dry_run.device_gb`, naive's N-1 whole-bucket
+receive buffers on rank 0 over it, or a rank this host cannot hold (on the CPU the dry run
+allocates one rank's buffers at a time, for real).
 
 Output: a table on stdout; dry_run.json (the counts, the model's figures, a row per rank) and
 dry_run_info.json (the resolved config, versions, host) in the run dir,
@@ -100,30 +101,31 @@ def device_of(cfg) -> str:
     return device if device != "auto" else "meta" if cfg.sync.name in ("naive", "tree") else "cpu"
 
 
+# ---- nodes: where sync=hring plugs in ---------------------------------------------------------
+# sync=hring and dist.node_size arrive with issue 36's items 2-3 (the wt-hring branch: dist.py's
+# node_size, 0 meaning torchrun's nodes; node_layout, set_nodes, node_groups; cost(...,
+# node_size=)). The dry run then takes three steps, all here: node_size() reads
+# cfg.dist.node_size (0: the whole world one node, as dist.nodes() takes it outside torchrun) and
+# refuses a layout that cannot exist through dist.node_layout(size, None, world_size, world_size);
+# _one_rank calls set_nodes(node_size(cfg)) once the rank's fake group exists (no link: nothing
+# moves to delay; it also forgets the last rank's node groups, which the sync makes anew on the
+# fake group); model_cost passes node_size= to comm.cost. Until then a node is one rank.
+
 def node_size(cfg) -> int:
-    """Ranks per node. HRING: `dist.node_size` arrives with the emulated link and sync=hring
-    (issue 36, items 2-3); until then a node is one rank. Its subgroups need nothing here: the
-    sync builds them on the fake group like any other."""
-    return int(getattr(cfg.dist, "node_size", 1))
+    """Ranks per node."""
+    return 1
 
 
 def model_cost(algo: str, op: str, nbytes: int, world_size: int, ranks_per_node: int):
-    """The performance model's cost of one collective. HRING: the two-level ring's formula
-    (perf.collectives.hierarchical_cost, with `ranks_per_node`) plugs in here."""
+    """The performance model's cost of one collective (hring: on nodes of `ranks_per_node`)."""
     return comm.cost(algo, nbytes, world_size, op=op)
 
 
 def check_layout(cfg) -> list[int]:
-    """The ranks to run, after refusing a layout that cannot exist."""
-    n, g, name = cfg.world_size, node_size(cfg), cfg.sync.name
+    """The ranks to run, after refusing a layout that cannot exist (nodes: node_size)."""
+    n, name = cfg.world_size, cfg.sync.name
     if n < 1:
         raise ConfigError(f"world_size={n} must be >= 1")
-    if g < 1 or g > n:
-        raise ConfigError(f"dist.node_size={g} must be in [1, world_size={n}]: a node holds at "
-                          f"least one rank and no more than the world")
-    if n % g:
-        raise ConfigError(f"world_size={n} is not a whole number of dist.node_size={g} nodes: "
-                          f"{n} = {n // g} x {g} + {n % g}; use a multiple of {g}")
     if name not in comm.OURS:
         raise ConfigError(f"sync={name}: the dry run counts the messages of our collectives, "
                           f"sync={'|'.join(comm.OURS)}; DDP's go through torch's C++ reducer")
