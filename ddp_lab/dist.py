@@ -141,15 +141,20 @@ def nodes() -> Nodes:
 
 
 @contextlib.contextmanager
-def link_off():
-    """The same nodes without the emulated link inside the block (what the host adds alone)."""
+def nodes_as(layout: Nodes):
+    """`layout` as nodes() inside the block, group or none (the dry run prices hring's nodes
+    before any rank's group exists)."""
     global _nodes
-    layout = nodes()
-    _nodes = dataclasses.replace(layout, latency_s=0.0, s_per_byte=0.0)
+    saved, _nodes = _nodes, layout
     try:
         yield
     finally:
-        _nodes = layout
+        _nodes = saved
+
+
+def link_off():
+    """The same nodes without the emulated link inside the block (what the host adds alone)."""
+    return nodes_as(dataclasses.replace(nodes(), latency_s=0.0, s_per_byte=0.0))
 
 
 def node_groups() -> tuple:

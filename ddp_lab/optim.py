@@ -42,6 +42,11 @@ def check_optim(cfg) -> None:
         raise ConfigError("optim.nesterov=true needs optim.momentum > 0")
 
 
+def state_tensors(ocfg) -> int:
+    """Optimizer state tensors per parameter: AdamW's two moments, SGD's momentum buffer."""
+    return {"adamw": 2, "sgd": int(ocfg.momentum > 0)}[ocfg.name]
+
+
 def _impl_kwargs(impl: str, device: torch.device) -> dict:
     if impl in ("auto", "fused"):
         # Fused SGD/AdamW kernels exist for CUDA and CPU (torch >= 2.4). They also take a

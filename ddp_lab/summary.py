@@ -19,6 +19,7 @@ from ddp_lab.held_memory import MEMORY_KEYS, POINTS, total
 from ddp_lab.perf.memory import predict_held
 from ddp_lab.dtypes import element_size
 from ddp_lab.metrics import with_exposed_comm
+from ddp_lab.optim import state_tensors
 from ddp_lab.step import compiled_graphs
 from ddp_lab.sync.zero3 import unit_numels
 
@@ -84,12 +85,12 @@ def memory_block(run) -> dict:
     """Collective: the bytes each rank held, counted at each point of held_memory.POINTS; at the
     point where it held the most (`peak_point`), each kind as a list by rank; beside them the
     bytes predicted (perf.memory.predict_held) and the excess of the counted peak over them."""
-    info, s, o = run.ctx.info, run.ctx.cfg.sync, run.ctx.cfg.optim
+    info, s = run.ctx.info, run.ctx.cfg.sync
     every = [None] * info.world_size
     dist.all_gather_object(every, run.rec.memory.points)  # [{point: counts}] by rank
     peak = [max(p, key=lambda k: total(p[k])) if p else None for p in every]
     numels = [q.numel() for q in run.parts.model.parameters()]
-    states = {"adamw": 2, "sgd": int(o.momentum > 0)}[o.name]
+    states = state_tensors(run.ctx.cfg.optim)
     units = unit_numels(run.parts.model) if s.zero == 3 else None
     predicted = [predict_held(numels, info.world_size, r, s.name, s.zero, states, s.bucket_mb,
                               element_size(s.comm_dtype), s.overlap, scratch_numel, units=units,

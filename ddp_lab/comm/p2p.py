@@ -50,7 +50,7 @@ class CommError(RuntimeError):
     """A point-to-point transfer of one of our collectives failed (dead peer, timeout)."""
 
 
-@dataclass
+@dataclass(eq=False)  # one counter each: recording() removes the very one it added, not an equal one
 class Recorder:
     """What one thread sent and received while this recorder was open."""
 

@@ -154,18 +154,20 @@ def gathers(zero: int, reshard_after_forward: bool = True) -> int:
 
 
 def bytes_per_step(algo: str, grad_bytes: float, world_size: int, zero: int = 0,
-                   param_bytes: float | None = None, reshard_after_forward: bool = True) -> float:
+                   param_bytes: float | None = None, reshard_after_forward: bool = True,
+                   node_size: int | None = None) -> float:
     """Bytes the busiest rank (rank 0 for naive and tree) sends per step for `grad_bytes` of
     gradients; linear in the size, so bucketing does not change it (up to chunk rounding). ZeRO
     adds the all-gathers (`gathers`) of `param_bytes` (default: as many as the gradients) and,
-    from stage 2, reduce-scatters the gradients instead of all-reducing them."""
+    from stage 2, reduce-scatters the gradients instead of all-reducing them. hring: on nodes of
+    `node_size` ranks (None: one node)."""
     algo = "ring" if algo in ("ddp", "native") else algo
     reduce, gather = ZERO_OPS[zero]
-    out = cost(algo, grad_bytes, world_size, reduce).bytes_per_rank
+    out = cost(algo, grad_bytes, world_size, reduce, node_size).bytes_per_rank
     if gather:
         out += gathers(zero, reshard_after_forward) * cost(
             algo, grad_bytes if param_bytes is None else param_bytes, world_size,
-            gather).bytes_per_rank
+            gather, node_size).bytes_per_rank
     return out
 
 

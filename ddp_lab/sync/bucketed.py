@@ -42,8 +42,9 @@ comm_dtype=bf16|fp16
     dtype, and cast back up on unpack. fp32: buckets in the gradients' own dtype.
 
 Counting: every byte goes through ddp_lab.comm's point-to-point layer; bytes_per_step() is what
-this rank sent between two finish() calls, counted, and comm_busy_ms() the time the communication
-spent inside all-reduce calls in that step (CUDA: events on the communication stream).
+this rank sent between two finish() calls, counted (comm_stats' messages_per_step: in how many
+messages), and comm_busy_ms() the time the communication spent inside all-reduce calls in that
+step (CUDA: events on the communication stream).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ class BucketedSync(GradSync):
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA
         self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
         self._calls: dict[str, int] = {}  # collectives run this step, by name (counted ones)
-        self._last = {"bytes_per_step": 0, "comm_busy_ms": float("nan"), "launched_in_backward": 0,
-                      "collectives": {}}
+        self._last = {"bytes_per_step": 0, "messages_per_step": 0, "comm_busy_ms": float("nan"),
+                      "launched_in_backward": 0, "collectives": {}}
         self._reset_step()
 
     # ---- set-up ----
@@ -276,6 +277,7 @@ class BucketedSync(GradSync):
 
     def _end_step(self) -> None:
         self._last = {"bytes_per_step": self._recorder.bytes_sent,
+                      "messages_per_step": self._recorder.messages,
                       "comm_busy_ms": self._busy_s * 1e3 if not self.cuda else float("nan"),
                       "launched_in_backward": self._launched_in_backward,
                       "collectives": self._calls}
@@ -316,7 +318,9 @@ class BucketedSync(GradSync):
         return {"algo": self.algo, "overlap": self.overlap,
                 "comm_dtype": str(self.comm_dtype or "grad dtype").replace("torch.", ""),
                 "buckets": len(self.buckets), "bucket_bytes": [b.nbytes for b in self.buckets],
-                "bytes_per_step": self.bytes_per_step(), "comm_busy_ms": self.comm_busy_ms(),
+                "bytes_per_step": self.bytes_per_step(),
+                "messages_per_step": self._last["messages_per_step"],
+                "comm_busy_ms": self.comm_busy_ms(),
                 "buckets_launched_in_backward": self._last["launched_in_backward"],
                 "collectives_per_step": dict(self._last["collectives"])}
 

@@ -1,0 +1,412 @@
+"""The dry run: one training step's communication at any world size, counted on one CPU.
+
+    python -m ddp_lab.dry_run world_size=1024 sync=ring [model=...] [sync.zero=1|2]
+    python -m ddp_lab.dry_run world_size=1024 sync=tree dry_run.ranks=[0,1,1023]
+    python -m ddp_lab.dry_run world_size=1024 sync=hring dist.node_size=8
+
+It runs the training code itself, not a second implementation of it (torchtitan's rule), on
+torch's `fake` process-group backend, where every send and receive completes at once and moves
+nothing. One process takes each rank in turn (or the ranks of `dry_run.ranks`): it becomes that
+rank of a fake group of `world_size`, builds the sync the config names (`build_sync`: its real
+bucket plan, ZeRO's shards, its subgroups), and runs one step's syncs: `finish()` reduces every
+bucket as a training step does, and with ZeRO `gather_params()` all-gathers the parameters as the
+optimizer's hook does after its step. Our point-to-point layer (ddp_lab/comm/p2p.py) counts each
+message it posts, so bytes and messages are counted, not computed.
+
+Tensor values mean nothing here: a fake receive leaves its buffer as it was, so every sum is
+garbage. Only counts are checked, each beside the performance model's figure:
+    bytes sent     comm.cost() per bucket and collective: summed over the ranks it is exact; the
+                   busiest rank's differs by chunk rounding only (the ring: under 2 elements a
+                   collective, ddp_lab/comm/ring.py); perf.step.bytes_per_step is the
+                   simulation's figure (the whole gradient as one message)
+    scratch        the receive buffers p2p keeps, against comm.scratch_numel. Each rank runs on
+                   threads of its own, so the buffers it counts are its own.
+    memory         perf.memory.predict_held: what the rank would hold on its device (training
+                   state, buckets, scratch; activations come on top)
+
+Refused before any rank runs, in one line (ConfigError): a layout that cannot exist (ranks that
+are not there; a world size that is not a whole number of nodes of dist.node_size; ZeRO-3, whose
+gathers run inside forward and backward; an emulated link, which would delay nothing), a rank
+predicted to hold more than `dry_run.device_gb`, naive's N-1 whole-bucket receive buffers on
+rank 0 over it, or a rank this host cannot hold (on the CPU the dry run allocates one rank's
+buffers at a time, for real).
+
+Output: a table on stdout; dry_run.json (the counts, the model's figures, a row per rank) and
+dry_run_info.json (the resolved config, versions, host) in the run dir,
+outputs/dry_run/<overrides>/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+# Imported for its side effect too: it registers the "fake" backend with torch.distributed.
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from ddp_lab import buckets, comm, provenance
+from ddp_lab.config import Config, validate
+from ddp_lab.dist import DistInfo, destroy_group, node_layout, nodes_as, set_nodes
+from ddp_lab.dtypes import element_size
+from ddp_lab.errors import ConfigError
+from ddp_lab.keys import check_keys, key, text
+from ddp_lab.models import build_model
+from ddp_lab.optim import state_tensors
+from ddp_lab.perf.memory import GB, predict_held
+from ddp_lab.perf.step import ZERO_OPS, bytes_per_step
+from ddp_lab.sync import build_sync
+from ddp_lab.tables import format_table
+
+VALUES = ("tensor values mean nothing on the fake backend (a receive moves nothing): only bytes, "
+          "messages and buffers are counted and checked")
+PROGRESS_S = 5.0  # seconds between progress lines on stderr
+
+
+@dataclass
+class DryRunKeys:
+    # the ranks to step through; []: every rank of world_size
+    ranks: list[int] = key(factory=list)
+    # GB (1e9 B) of device memory a rank may hold: a config predicted to need more is refused
+    device_gb: float = key(80.0, positive=True)
+    # where the ranks' tensors live: cpu (real buffers, receive scratch counted) | meta (nothing
+    # allocated, no arithmetic) | auto: meta for naive and tree, cpu for the others (device_of)
+    device: str = key("auto", choices=("auto", "cpu", "meta"))
+
+
+@dataclass
+class DryRunConfig(Config):
+    """The training config (every group, checked as ddp_lab.train checks it) and the dry run's."""
+    world_size: int = 8
+    dry_run: DryRunKeys = field(default_factory=DryRunKeys)
+
+
+ConfigStore.instance().store(name="dry_run_schema", node=DryRunConfig)
+
+
+# ---- the layout, and what the model predicts, before anything runs ---------------------------
+
+def device_of(cfg) -> str:
+    """dry_run.device, auto resolved: the faster of the two for the algorithm (measured on one
+    core at N=1024, docs/results/cpu-dry-run). Naive and tree send a few whole buckets a step, so
+    real buffers cost their arithmetic (~0.1 s a rank for AlexNet-CIFAR) and meta ~10 ms; the
+    ring sends 2(N-1) small chunks a bucket, and meta's kernels, run in Python, cost ~3x CPU's."""
+    device = cfg.dry_run.device
+    return device if device != "auto" else "meta" if cfg.sync.name in ("naive", "tree") else "cpu"
+
+
+# ---- nodes (sync=hring's two levels) -----------------------------------------------------------
+
+def node_size(cfg) -> int:
+    """Ranks per node: dist.node_size; 0 (torchrun's nodes, and there is no torchrun here) the
+    whole world one node, as ddp_lab.dist.nodes() takes it outside torchrun."""
+    return cfg.dist.node_size or cfg.world_size
+
+
+def model_cost(algo: str, op: str, nbytes: int, world_size: int, ranks_per_node: int):
+    """The performance model's cost of one collective (hring: on nodes of `ranks_per_node`)."""
+    return comm.cost(algo, nbytes, world_size, op=op, node_size=ranks_per_node)
+
+
+def check_layout(cfg) -> list[int]:
+    """The ranks to run, after refusing a layout that cannot exist (nodes: node_size)."""
+    n, name = cfg.world_size, cfg.sync.name
+    if name not in comm.OURS:
+        raise ConfigError(f"sync={name}: the dry run counts the messages of our collectives, "
+                          f"sync={'|'.join(comm.OURS)}; DDP's go through torch's C++ reducer")
+    node_layout(node_size(cfg), None, n, n)  # refuses nodes that do not divide the world
+    if cfg.sync.zero == 3:
+        raise ConfigError("sync.zero=3: the dry run steps a sync's finish() and gather_params(); "
+                          "ZeRO-3 gathers inside forward and backward, which it does not run "
+                          "yet: use sync.zero=0|1|2")
+    if cfg.dist.link.latency_us or cfg.dist.link.gbps:
+        raise ConfigError("dist.link delays messages, and the dry run moves none (the fake "
+                          "backend): its counts are the same without it; leave dist.link off")
+    ranks = list(cfg.dry_run.ranks) or list(range(n))
+    wrong = [r for r in ranks if not 0 <= r < n]
+    if wrong or len(set(ranks)) != len(ranks):
+        raise ConfigError(f"dry_run.ranks={text(cfg.dry_run.ranks)}: each rank once, from 0 to "
+                          f"world_size-1={n - 1}" + (f" ({wrong[0]} is not)" if wrong else ""))
+    return sorted(ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the model says before the run: the buckets, each collective, each rank's memory."""
+    bucket_numels: list[int]  # elements per bucket, in bucket order
+    comm_elem: int  # bytes of an element as the gradients travel
+    calls: list[tuple[str, int, int]]  # one step's collectives, in order: (op, numel, elem)
+    held: list[dict]  # predict_held of every rank of the world
+
+    def memory(self, rank: int) -> int:
+        return int(sum(v for v in self.held[rank].values() if v is not None))
+
+
+def make_plan(cfg) -> Plan:
+    s = cfg.sync
+    with torch.device("meta"):  # the parameter counts only: nothing allocated
+        numels = [p.numel() for p in _model(cfg).parameters()]
+    comm_elem = element_size(s.comm_dtype)
+    sizes = numels[::-1]  # backward's order, as the sync cuts them
+    groups = buckets.plan([k * comm_elem for k in sizes], s.bucket_mb, "ours")
+    bucket_numels = [sum(sizes[i] for i in g) for g in groups]
+    reduce, gather = ZERO_OPS[s.zero]
+    calls = [(reduce, k, comm_elem) for k in bucket_numels]
+    calls += [(gather, k, 4) for k in bucket_numels] if gather else []  # fp32 parameters
+    states = state_tensors(cfg.optim)
+    held = [predict_held(numels, cfg.world_size, r, s.name, s.zero, states, s.bucket_mb,
+                         comm_elem, s.overlap, comm.scratch_numel)
+            for r in range(cfg.world_size)]
+    return Plan(bucket_numels, comm_elem, calls, held)
+
+
+def check_memory(cfg, plan: Plan) -> None:
+    """Refuse what no rank's device (or this host, which holds one rank at a time) could hold."""
+    n, limit = cfg.world_size, cfg.dry_run.device_gb
+    if cfg.sync.name == "naive" and n > 1:
+        s = max(plan.bucket_numels) * plan.comm_elem
+        if (n - 1) * s > limit * GB:
+            raise ConfigError(
+                f"sync=naive at world_size={n}: rank 0 receives every rank's copy of a bucket at "
+                f"once, into N-1 buffers of the largest ({s} B): {n - 1} x {s} B = "
+                f"{(n - 1) * s / GB:.1f} GB > dry_run.device_gb={limit:g}; use sync=ring or "
+                f"sync=tree, or a smaller sync.bucket_mb")
+    worst = max(range(n), key=plan.memory)
+    need, held = plan.memory(worst), plan.held[worst]
+    parts = " + ".join(f"{k.removesuffix('_bytes').replace('_', ' ')} {v / GB:.2f}"
+                       for k, v in held.items() if v)
+    if need > limit * GB:
+        raise ConfigError(f"rank {worst} would hold {need / GB:.2f} GB > dry_run.device_gb="
+                          f"{limit:g}: {parts} GB (activations on top); shard it with "
+                          f"sync.zero=1|2, or use a smaller model")
+    from ddp_lab.bench.vector_add import host_available_bytes
+
+    if device_of(cfg) == "cpu" and need > host_available_bytes():
+        raise ConfigError(f"the dry run holds one rank's buffers at a time, for real: rank "
+                          f"{worst}'s {need / GB:.2f} GB ({parts} GB) is more than the "
+                          f"{host_available_bytes() / GB:.1f} GB this host has available")
+
+
+# ---- the run: every rank in turn, on the fake backend -----------------------------------------
+
+def dry_run(cfg, progress: bool = False) -> dict:
+    """Check `cfg` (composed from conf/dry_run.yaml), run its ranks, return dry_run.json's dict."""
+    if cfg.world_size < 1:
+        raise ConfigError(f"world_size={cfg.world_size} must be >= 1")
+    with _launched_as(cfg.world_size):
+        validate(cfg)  # the training keys, as ddp_lab.train checks them on world_size ranks
+    check_keys(cfg, DryRunConfig)
+    cfg = OmegaConf.to_object(cfg)  # plain dataclasses: read per rank, a DictConfig costs ~1 ms
+    ranks = check_layout(cfg)
+    with nodes_as(node_layout(node_size(cfg), None, cfg.world_size, cfg.world_size)):
+        plan = make_plan(cfg)  # (hring's scratch depends on its nodes)
+    check_memory(cfg, plan)
+    device = torch.device(device_of(cfg))
+    with device:
+        model = _model(cfg)
+    start, rows, said = time.perf_counter(), [], time.perf_counter()
+    for i, rank in enumerate(ranks):
+        rows.append({**_in_own_thread(lambda: _one_rank(cfg, model, rank, device)),
+                     "predicted_scratch_bytes": plan.held[rank]["comm_scratch_bytes"],
+                     "predicted_memory_bytes": plan.memory(rank)})
+        if progress and time.perf_counter() - said > PROGRESS_S:
+            said, spent = time.perf_counter(), time.perf_counter() - start
+            print(f"dry run: {i + 1}/{len(ranks)} ranks, {spent:.0f} s, about "
+                  f"{spent * (len(ranks) / (i + 1) - 1):.0f} s left", file=sys.stderr, flush=True)
+    return summarize(cfg, plan, rows, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _launched_as(world_size: int):
+    """torchrun's variables, as on one node of `world_size` ranks, while the block runs: the
+    training checks read the world from them (ddp_lab.dist.env_ranks)."""
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _model(cfg):
+    """The config's model; the dry run loads no data, so its classes are data.num_classes."""
+    m = cfg.model
+    return build_model(m.name, cfg.data.num_classes, m.dropout, m.stem, m.fc_width)
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, world_size: int):
+    """The default process group as rank `rank` of `world_size`, on the fake backend (for CPU
+    and meta tensors alike)."""
+    dist.init_process_group("cpu:fake,meta:fake", rank=rank, world_size=world_size,
+                            store=FakeStore())
+    try:
+        yield
+    finally:
+        destroy_group()  # (with the node groups ddp_lab.dist made on it)
+
+
+def _one_rank(cfg, model, rank: int, device: torch.device) -> dict:
+    """Rank `rank`'s step: its sync built and prepared, every bucket reduced, ZeRO's gather.
+    Receive scratch is kept, so counted, on the CPU only (ddp_lab/comm/p2p.py's `scratch`)."""
+    g = node_size(cfg)
+    info = DistInfo(rank, rank % g, cfg.world_size, g, "fake", device)
+    with fake_group(rank, cfg.world_size):
+        set_nodes(g)  # sync=hring's levels: nodes of g ranks, no link (nothing moves to delay)
+        sync = build_sync(cfg.sync, info)
+        try:
+            sync.prepare(model)
+            sync.finish()  # (with overlap, on the sync's own communication thread)
+            with comm.recording() as gathered:
+                if cfg.sync.zero:
+                    sync.gather_params()  # the optimizer's post-step hook, on this thread
+            stats = sync.comm_stats()
+            row = {"rank": rank, "bytes_sent": stats["bytes_per_step"] + gathered.bytes_sent,
+                   "messages": stats["messages_per_step"] + gathered.messages,
+                   "scratch_bytes": None if device.type == "meta" else
+                   sum(t.numel() * t.element_size() for t in comm.kept_scratch())}
+            if cfg.sync.zero:  # each bucket's shard: [start, stop) of its flat parameters
+                row["shards"] = [[s.storage_offset() - f.storage_offset(),
+                                  s.storage_offset() - f.storage_offset() + s.numel()]
+                                 for s, f in zip(sync.shards, sync.flats)]
+            return row
+        finally:
+            sync.close()
+
+
+def _in_own_thread(fn):
+    """fn() on a fresh thread: p2p keeps receive buffers per thread, so a rank run on threads of
+    its own counts its own buffers, and they are freed with the thread when it ends."""
+    out = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=body, name="ddp_lab-dry-run-rank")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+# ---- the counts beside the model ----------------------------------------------------------------
+
+def summarize(cfg, plan: Plan, rows: list[dict], wall_s: float) -> dict:
+    """dry_run.json: the counts, the model's figures beside them, and the per-rank rows."""
+    n, s, g = cfg.world_size, cfg.sync, node_size(cfg)
+    costs = [model_cost(s.name, op, k * elem, n, g) for op, k, elem in plan.calls]
+    busiest = max(rows, key=lambda r: r["bytes_sent"])
+    grad_bytes = sum(plan.bucket_numels) * plan.comm_elem
+    out = {"world_size": n, "sync": s.name, "zero": s.zero, "node_size": g,
+           "device": device_of(cfg),
+           "model": cfg.model.name, "comm_dtype": s.comm_dtype, "overlap": s.overlap,
+           "bucket_numels": plan.bucket_numels, "collectives": [op for op, _, _ in plan.calls],
+           "ranks_run": len(rows), "values": VALUES,
+           "total_bytes": sum(r["bytes_sent"] for r in rows),
+           "predicted_total_bytes": int(sum(c.total_bytes for c in costs)),
+           "max_rank_bytes": busiest["bytes_sent"], "max_rank": busiest["rank"],
+           "predicted_max_rank_bytes": sum(c.bytes_per_rank for c in costs),
+           "simulated_max_rank_bytes": bytes_per_step(s.name, grad_bytes, n, s.zero,
+                                                      sum(plan.bucket_numels) * 4,
+                                                      node_size=g),
+           # the ring's chunk rounding: under 2 elements per collective (ddp_lab/comm/ring.py)
+           "rounding_bound_bytes": 2 * sum(elem for _, _, elem in plan.calls),
+           "scratch_as_predicted": None if device_of(cfg) == "meta" else all(
+               r["scratch_bytes"] == r["predicted_scratch_bytes"] for r in rows),
+           "max_predicted_memory_bytes": max(r["predicted_memory_bytes"] for r in rows),
+           "device_gb": cfg.dry_run.device_gb, "wall_s": round(wall_s, 3)}
+    if s.zero:
+        out["zero_shards_cover"] = shards_cover(rows, plan.bucket_numels, n)
+    out["per_rank"] = rows
+    return out
+
+
+def shards_cover(rows: list[dict], bucket_numels: list[int], world_size: int) -> bool | None:
+    """Whether the ranks' ZeRO shards of each bucket cover every element exactly once (None
+    when not every rank ran)."""
+    if len(rows) != world_size:
+        return None
+    for b, numel in enumerate(bucket_numels):
+        pieces = sorted(tuple(r["shards"][b]) for r in rows)
+        ends = [0] + [stop for _, stop in pieces]
+        if any(start != end for (start, _), end in zip(pieces, ends)) or ends[-1] != numel:
+            return False
+    return True
+
+
+def report(out: dict) -> str:
+    """The console table: a few ranks (all in dry_run.json) and the counts against the model."""
+    rows = out["per_rank"]
+    picks = {*(r["rank"] for r in rows[:3]), out["max_rank"], rows[-1]["rank"]}
+    shown = rows if len(rows) <= 12 else [r for r in rows if r["rank"] in picks]
+    table = format_table([{"rank": r["rank"], "bytes_sent": r["bytes_sent"],
+                           "messages": r["messages"], "scratch_B": r["scratch_bytes"],
+                           "model_scratch_B": r["predicted_scratch_bytes"],
+                           "model_memory_GB": round(r["predicted_memory_bytes"] / GB, 3)}
+                          for r in shown])
+    lines = [f"dry run: sync={out['sync']} zero={out['zero']}, {len(rows)} of "
+             f"{out['world_size']} ranks on torch's fake backend ({out['device']} tensors), one "
+             f"step, buckets of {', '.join(map(str, out['bucket_numels']))} elements "
+             f"({out['comm_dtype']})", VALUES, table]
+    if len(shown) < len(rows):
+        lines.append(f"({len(rows) - len(shown)} more ranks in dry_run.json)")
+    scratch = {None: "not counted on meta (dry_run.device=cpu counts it)",
+               True: "as comm.scratch_numel predicts, on every rank run",
+               False: "NOT as comm.scratch_numel predicts on some ranks: see dry_run.json"}
+    lines += [
+        f"bytes, all ranks run: counted {out['total_bytes']}, comm.cost() "
+        f"{out['predicted_total_bytes']} for all {out['world_size']}: "
+        f"{_versus(out['total_bytes'], out['predicted_total_bytes'])}",
+        f"bytes, busiest rank:  counted {out['max_rank_bytes']} (rank {out['max_rank']}), "
+        f"comm.cost() {out['predicted_max_rank_bytes']:.0f}: "
+        f"{_versus(out['max_rank_bytes'], out['predicted_max_rank_bytes'])} (the ring's "
+        f"rounding: within {out['rounding_bound_bytes']} B); the simulation's "
+        f"{out['simulated_max_rank_bytes']:.0f}",
+        f"scratch: {scratch[out['scratch_as_predicted']]}",
+        f"memory: at most {out['max_predicted_memory_bytes'] / GB:.3f} GB a rank, predicted "
+        f"(dry_run.device_gb={out['device_gb']:g})"]
+    if "zero_shards_cover" in out:
+        lines.append(f"ZeRO shards cover every element exactly once: {out['zero_shards_cover']}")
+    return "\n".join(lines + [f"{out['wall_s']:.1f} s"])
+
+
+def _versus(counted: float, model: float) -> str:
+    return "equal" if counted == model else f"{counted - model:+.0f} B"
+
+
+def run(cfg, run_dir: str) -> None:
+    """The command: dry_run.json and dry_run_info.json (how it was made) in `run_dir`, the table
+    on stdout."""
+    torch.set_num_threads(1)  # one core: the ranks take turns anyway
+    out = dry_run(cfg, progress=True)
+    head = json.dumps({k: v for k, v in out.items() if k != "per_rank"}, indent=1)
+    rows = ",\n  ".join(json.dumps(r) for r in out["per_rank"])  # a rank a line: 1,024 lines
+    with open(os.path.join(run_dir, "dry_run.json"), "w") as f:
+        f.write(f'{head[:-2]},\n "per_rank": [\n  {rows}\n ]\n}}\n')
+    provenance.write(os.path.join(run_dir, "dry_run_info.json"),
+                     OmegaConf.to_container(cfg, resolve=True), device="cpu")
+    print(report(out), flush=True)
+    print(f"-> {os.path.join(run_dir, 'dry_run.json')}", flush=True)
+
+
+def main() -> None:
+    from ddp_lab.cli import run_hydra_app
+
+    run_hydra_app(run, "dry_run")
+
+
+if __name__ == "__main__":
+    main()

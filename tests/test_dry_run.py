@@ -1,0 +1,153 @@
+"""The dry run (ddp_lab/dry_run.py): one step's communication of every rank of a large world, on
+torch's fake backend in this process, against the performance model (comm.cost(), the memory
+prediction) and the arithmetic of ZeRO's shards.
+
+Sizes: what the counts depend on is the world size against each bucket's element count (chunk
+rounding: N divides none of these buckets), whether N is a power of two (the tree's last level is
+partial otherwise), the bucket plan (several buckets, uneven) and, for the ring, whether a chunk is
+cut into slices (not from N of about 5 on, here, as at N=1024). A hundred ranks exercise all of
+them, as N=1024 does, in seconds: the ring posts 2(N-1) messages a bucket on every rank, so the
+whole run grows as N^2 (~1.5 CPU-s at N=100, minutes at 1024); the tree's 2 log2 N (N=300 here).
+The model is AlexNet-CIFAR with an 8-wide classifier (2.26 M parameters: small buffers, the same 16
+parameter tensors).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddp_lab import comm
+from ddp_lab.cli import compose
+from ddp_lab.dry_run import dry_run, fake_group, run
+from ddp_lab.errors import ConfigError
+
+SMALL = ["model.fc_width=8"]
+
+
+def counted(*overrides: str) -> dict:
+    return dry_run(compose([*SMALL, *overrides], "dry_run"))
+
+
+def ring_rounding_ok(out: dict) -> bool:
+    """The busiest rank's bytes within the ring's rounding bound of the model's (comm/ring.py:
+    under 2 elements a collective, and the bound sums them)."""
+    return abs(out["max_rank_bytes"] - out["predicted_max_rank_bytes"]) < out["rounding_bound_bytes"]
+
+
+@pytest.mark.timeout(120)
+def test_ring_at_100_ranks_sends_what_comm_cost_says():
+    # one bucket of 2,259,946 elements (not a multiple of 100): 198 messages a rank
+    out = counted("world_size=100", "sync=ring", "sync.bucket_mb=100")
+    assert out["device"] == "cpu" and out["ranks_run"] == 100
+    assert out["total_bytes"] == out["predicted_total_bytes"]  # exactly 2(N-1)S
+    assert ring_rounding_ok(out), out
+    assert {r["messages"] for r in out["per_rank"]} == {2 * 99}
+    # every rank keeps the scratch comm.scratch_numel says (two slices of the largest chunk)
+    assert out["scratch_as_predicted"] and out["per_rank"][0]["scratch_bytes"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_tree_at_300_ranks_sends_what_comm_cost_says():
+    out = counted("world_size=300", "sync=tree", "sync.bucket_mb=4")  # 3 buckets, 9 levels
+    assert len(out["bucket_numels"]) > 2
+    assert out["total_bytes"] == out["predicted_total_bytes"]  # exactly 2(N-1)S a bucket
+    assert out["max_rank_bytes"] == out["predicted_max_rank_bytes"]  # rank 0: ceil(log2 N) S
+    assert out["max_rank"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_hring_at_120_ranks_sends_what_comm_cost_says():
+    # 15 nodes of 8: the node ring's chunks and the cross ring's pieces both cut unevenly
+    out = counted("world_size=120", "sync=hring", "dist.node_size=8", "sync.bucket_mb=100")
+    assert out["node_size"] == 8 and out["ranks_run"] == 120
+    assert out["total_bytes"] == out["predicted_total_bytes"]
+    assert ring_rounding_ok(out), out
+    # 2(G-1) messages in the node, 2(M-1) across: 14 + 28 a rank
+    assert {r["messages"] for r in out["per_rank"]} == {2 * 7 + 2 * 14}
+    assert out["scratch_as_predicted"]  # hring's scratch, priced on its nodes before any group
+
+
+@pytest.mark.timeout(120)
+def test_zero_shards_at_1024_ranks_cover_every_element_once():
+    out = counted("world_size=1024", "sync=tree", "sync.zero=2", "sync.bucket_mb=100",
+                  "sync.overlap=false")
+    assert out["zero_shards_cover"] is True
+    numel = out["bucket_numels"][0]
+    sizes = [r["shards"][0][1] - r["shards"][0][0] for r in out["per_rank"]]
+    assert sum(sizes) == numel and max(sizes) - min(sizes) == 1  # tensor_split's: the larger first
+
+
+def test_shards_cover_finds_a_gap_and_an_overlap():
+    from ddp_lab.dry_run import shards_cover
+
+    rows = lambda *pieces: [{"shards": [list(p)]} for p in pieces]
+    assert shards_cover(rows((0, 3), (3, 5)), [5], 2) is True
+    assert shards_cover(rows((0, 3), (4, 5)), [5], 2) is False  # element 3 nowhere
+    assert shards_cover(rows((0, 3), (2, 5)), [5], 2) is False  # element 2 twice
+    assert shards_cover(rows((0, 3)), [5], 2) is None  # not every rank ran
+
+
+def test_naive_root_scratch_over_the_device_is_refused_with_the_arithmetic():
+    # AlexNet-CIFAR's largest bucket: 16,777,216 fp32 elements = 67,108,864 B, 1023 of them
+    with pytest.raises(ConfigError, match=r"^sync=naive at world_size=1024: rank 0 .* 1023 x "
+                                          r"67108864 B = 68\.7 GB > dry_run\.device_gb=16;"):
+        dry_run(compose(["world_size=1024", "sync=naive", "dry_run.device_gb=16"], "dry_run"))
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["world_size=0"], "world_size=0 must be >= 1"),
+    (["sync=ddp"], "sync=ddp: the dry run counts the messages of our collectives"),
+    (["dry_run.ranks=[0,8]"], "dry_run.ranks=[0,8]: each rank once, from 0 to world_size-1=7 "
+                              "(8 is not)"),
+    (["dry_run.ranks=[1,1]"], "dry_run.ranks=[1,1]: each rank once"),
+    (["sync=hring", "dist.node_size=3"], "dist.node_size=3 does not divide the world size 8"),
+    (["dist.node_size=4", "dist.link.gbps=10"], "dist.link delays messages, and the dry run"),
+    (["sync.zero=3"], "sync.zero=3: the dry run steps a sync's finish() and gather_params()"),
+    # AlexNet (61.1 M parameters, 0.24 GB in fp32) with SGD's momentum, unsharded
+    (["model=alexnet", "dry_run.device_gb=0.5"],
+     "rank 0 would hold 0.99 GB > dry_run.device_gb=0.5: params 0.24 + grads 0.24 + optimizer "
+     "state 0.24 + comm buffer 0.24 + comm scratch 0.01 GB (activations on top)"),
+])
+def test_layouts_that_cannot_exist_are_refused_in_one_line(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        dry_run(compose(overrides, "dry_run"))
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(60)
+def test_run_writes_the_contract_and_prints_the_table(tmp_path, capsys):
+    run(compose([*SMALL, "world_size=6", "sync=ring", "sync.zero=1", "dry_run.ranks=[0,5]"],
+                "dry_run"), str(tmp_path))
+    out = json.loads((tmp_path / "dry_run.json").read_text())
+    for k in ("world_size", "sync", "total_bytes", "predicted_total_bytes", "max_rank_bytes",
+              "predicted_max_rank_bytes", "per_rank"):
+        assert k in out
+    assert [r["rank"] for r in out["per_rank"]] == [0, 5]
+    assert set(out["per_rank"][0]) >= {"rank", "bytes_sent", "messages", "scratch_bytes"}
+    # a subset of ranks: the busiest rank still within the model's rounding; shards unchecked
+    assert ring_rounding_ok(out) and out["zero_shards_cover"] is None
+    printed = capsys.readouterr().out
+    assert "tensor values mean nothing on the fake backend" in printed
+    assert "bytes, busiest rank:" in printed and "dry_run.json" in printed
+
+
+def test_cpu_and_meta_count_alike():
+    common = ("world_size=5", "sync=tree", "sync.zero=1", "sync.bucket_mb=1")
+    on_cpu, on_meta = counted(*common, "dry_run.device=cpu"), counted(*common, "dry_run.device=meta")
+    keep = lambda out: [(r["bytes_sent"], r["messages"]) for r in out["per_rank"]]
+    assert keep(on_cpu) == keep(on_meta)
+    assert on_cpu["scratch_as_predicted"] is True and on_meta["scratch_as_predicted"] is None
+
+
+def test_nested_recorders_each_count_and_leave_as_they_came():
+    # Recorders with equal counts are still two: the inner one's exit must not remove the outer
+    with fake_group(0, 2):
+        channel = comm.Channel("ring")
+        with comm.recording() as outer:
+            with comm.recording():
+                pass
+            channel.post(0, sends=[(1, torch.ones(4), None)]).wait()
+    assert (outer.bytes_sent, outer.messages) == (16, 1)
