@@ -7,6 +7,7 @@
 #   memory     the copy-bandwidth benchmark, RUNS separate runs
 #
 #   scripts/gpu_repeats.sh OUT_DIR [PART ...]        # default: every part; RUNS=3
+#   PRECISIONS='[fp32,bf16]' scripts/gpu_repeats.sh OUT_DIR precision   # a part of the matrix
 #
 # Each part runs under its own timeout (PART_TIMEOUT_S, 400 s), writes OUT_DIR/<part>/...,
 # and a failed part costs its own rows only; the script exits 1 at the end naming it.
@@ -30,7 +31,7 @@ part() {  # NAME COMMAND...: one part under its timeout, its output in OUT_DIR/N
 for p in "${PARTS[@]}"; do
   case $p in
     precision) part precision "$PY" -m ddp_lab.bench.train_throughput net=alexnet \
-                 'precisions=[fp32,tf32,fp16,bf16]' 'channels_last=[false,true]' 'batches=[256]' \
+                 "precisions=${PRECISIONS:-[fp32,tf32,fp16,bf16]}" 'channels_last=[false,true]' 'batches=[256]' \
                  repeats="$RUNS" hydra.run.dir="$OUT_DIR/precision" ;;
     stem) part stem "$PY" -m ddp_lab.bench.train_throughput net=alexnet 'precisions=[bf16]' \
             'channels_last=[true]' 'compile=[true]' 'batches=[256]' repeats="$RUNS" \
