@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddp_lab.dist import TrainingError
+from ddp_lab.errors import TrainingError
 from ddp_lab.sync.base import local_tensor, whole_tensor
 
 log = logging.getLogger("ddp_lab")

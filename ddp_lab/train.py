@@ -33,7 +33,8 @@ from ddp_lab.cli import run_hydra_app, setup_logging
 from ddp_lab.config import Config, check_steps_reachable, validate
 from ddp_lab.held_memory import HeldMemory
 from ddp_lab.data import Data, build_data
-from ddp_lab.dist import DistInfo, Heartbeat, collective_errors, destroy_group, init_group
+from ddp_lab.dist import DistInfo, destroy_group, init_group
+from ddp_lab.hangs import Heartbeat, collective_errors
 from ddp_lab.fault import Faults
 from ddp_lab.graph import EAGER_CALLS, GraphedTrainStep, check_supported
 from ddp_lab.guard import Guard, assert_finite
