@@ -103,8 +103,6 @@ def device_of(cfg) -> str:
     return device if device != "auto" else "meta" if cfg.sync.name in ("naive", "tree") else "cpu"
 
 
-# ---- nodes (sync=hring's two levels) -----------------------------------------------------------
-
 def node_size(cfg) -> int:
     """Ranks per node: dist.node_size; 0 (torchrun's nodes, and there is no torchrun here) the
     whole world one node, as ddp_lab.dist.nodes() takes it outside torchrun."""
