@@ -261,10 +261,10 @@ def test_a_missing_raw_file_and_an_uncited_one_fail(tmp_path):
 
 def test_a_headline_figure_edited_in_readme_fails(tmp_path):
     _copy_results(tmp_path)
-    _edit(tmp_path / "README.md", "AlexNet at **3.25x** fp32", "AlexNet at **3.4x** fp32")
+    _edit(tmp_path / "README.md", "at **0.990** of a bare loop", "at **0.999** of a bare loop")
     fails = "\n".join(_failures(tmp_path))
-    assert "README.md no longer reads 'AlexNet at **3.25x** fp32'" in fails
-    assert "README.md: **3.4x** is bold in a headline place but no checked figure" in fails
+    assert "README.md no longer reads 'at **0.990** of a bare loop'" in fails
+    assert "README.md: **0.999** is bold in a headline place but no checked figure" in fails
 
 
 def test_the_command_exits_1_on_a_planted_bug_and_imports_no_torch(tmp_path):
