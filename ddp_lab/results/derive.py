@@ -128,10 +128,10 @@ def counted_minus_predicted(rows: list[dict], block: str = "memory") -> tuple:
 def memory_row(rows: list[dict], where: dict | None = None, unit: float = 1e6) -> tuple:
     """A summary.json `memory` block as a table row: rank 0's parameters, gradients, optimizer
     state, communication buffers and their total (in `unit` bytes), and bytes counted minus
-    predicted over the four."""
+    predicted over the four (the prediction: one, or one per rank as summaries now write it)."""
     block = get(_one(rows, where, ("memory",)), "memory")
     counts = [_numbers(block[k])[0] for k in MEMORY_KINDS]
-    excess = sum(counts) - sum(block["predicted"][k] for k in MEMORY_KINDS)
+    excess = sum(counts) - sum(_numbers(block["predicted"][k])[0] for k in MEMORY_KINDS)
     return (*(c / unit for c in counts), sum(counts) / unit, excess)
 
 
