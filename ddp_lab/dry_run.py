@@ -95,10 +95,10 @@ ConfigStore.instance().store(name="dry_run_schema", node=DryRunConfig)
 # ---- the layout, and what the model predicts, before anything runs ---------------------------
 
 def device_of(cfg) -> str:
-    """dry_run.device, auto resolved: the faster of the two for the algorithm (measured on one
-    core at N=1024, docs/results/cpu-dry-run). Naive and tree send a few whole buckets a step, so
-    real buffers cost their arithmetic (~0.1 s a rank for AlexNet-CIFAR) and meta ~10 ms; the
-    ring sends 2(N-1) small chunks a bucket, and meta's kernels, run in Python, cost ~3x CPU's."""
+    """dry_run.device, auto resolved: the faster of the two for the algorithm. Naive and tree
+    send a few whole buckets a step, so real buffers cost their arithmetic and meta tensors
+    nothing; the ring sends 2(N-1) small chunks a bucket, where meta's kernels, which run in
+    Python, cost more than the CPU's arithmetic."""
     device = cfg.dry_run.device
     return device if device != "auto" else "meta" if cfg.sync.name in ("naive", "tree") else "cpu"
 
