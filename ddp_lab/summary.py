@@ -92,7 +92,7 @@ def memory_block(run) -> dict:
     states = {"adamw": 2, "sgd": int(o.momentum > 0)}[o.name]
     units = unit_numels(run.parts.model) if s.zero == 3 else None
     predicted = [predict_held(numels, info.world_size, r, s.name, s.zero, states, s.bucket_mb,
-                              element_size(s.comm_dtype), s.overlap, scratch_numel, units=units,
+                              element_size(wire_dtype(s)), s.overlap, scratch_numel, units=units,
                               reshard_after_forward=s.reshard_after_forward)
                  for r in range(info.world_size)]
     by_rank = lambda rows, k: [None if row is None else row[k] for row in rows]

@@ -50,7 +50,7 @@ class CommError(RuntimeError):
     """A point-to-point transfer of one of our collectives failed (dead peer, timeout)."""
 
 
-@dataclass
+@dataclass(eq=False)  # nested recorders with equal counts are still different recorders
 class Recorder:
     """What one thread sent and received while this recorder was open."""
 
