@@ -1,9 +1,10 @@
 """Checkpoints: atomic writes on rank 0, `weights_only` loads everywhere, exact resume.
 
 A checkpoint holds everything the next step depends on: model, optimizer, LR schedule, GradScaler,
-what the sync keeps between steps (every rank's: compression's error buffers), the step counter (which fixes epoch and position in the epoch, since the sampler is a pure
-function of seed and epoch: both are stored too, and checked against the step on resume), every
-rank's RNG states and a digest of the config that must match.
+what the sync keeps between steps (every rank's: compression's error buffers, PowerSGD's Q), the
+step counter (which fixes epoch and position in the epoch, since the sampler is a pure function of
+seed and epoch: both are stored too, and checked against the step on resume), every rank's RNG
+states and a digest of the config that must match.
 Only tensors, numbers, strings, lists and dicts go in, so `torch.load(weights_only=True)` can read
 it and no pickled code is ever executed.
 

@@ -1,0 +1,133 @@
+"""sync.compress inside our syncs (ddp_lab/sync/compressed.py behind sync/bucketed.py), on real
+gloo groups, against named references: the uncompressed sync=ring (what must not compress, and
+every step before sync.compress_start, equals it bitwise); (rows + cols) r elements per compressed
+matrix and 2k per top-k bucket, counted, and the bytes the Recorder counts; a step holding an
+inf or NaN leaves the error buffers and Q as they were; stop-and-resume with compression on
+equals the run straight through, bitwise. (The compressors alone: tests/test_compress.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from background import background
+from helpers import check
+from launchers import ranks, spawn
+from reliab_helpers import RESUME, assert_same_training_state
+from test_sync import batch, make_model
+from test_zero import train
+
+# Buckets of at most 0.001 MiB (262 floats): the small CNN's 1440-element FC weight alone, the rest
+# in a few buckets, so several buckets a step and matrices of three shapes.
+RING = dict(name="ring", bucket_mb=0.001)
+
+
+def scfg(**keys):
+    """The sync group as the schema makes it (every key at its default but these)."""
+    from ddp_lab.sync.config import SyncConfig
+
+    return SyncConfig(**{**RING, **keys})
+
+
+def expected_elements(model: nn.Module, r: int, min_rate: float) -> int:
+    """PowerSGD's elements a step: (rows + cols) r per matrix worth compressing, every other
+    parameter whole (torch's rule, written out here rather than taken from ddp_lab)."""
+    total = 0
+    for p in model.parameters():
+        rows, cols = p.shape[0], p.numel() // p.shape[0]
+        rank = min(rows, cols, r)
+        worth = p.dim() > 1 and (rows + cols) * rank * min_rate < rows * cols
+        total += (rows + cols) * rank if worth else p.numel()
+    return total
+
+
+def _through_the_sync(rank, n):
+    """Four SGD steps of the small CNN (tests/test_zero.py's `train`) per case; what each case's
+    parameters and last step's counts are, as plain data."""
+    ring = train(rank, n, scfg(), "sgd")[0]
+    out, ring_topk = {}, None
+    for case, keys in {
+        "powersgd full rank": dict(compress="powersgd", compress_rank=64, error_feedback=False),
+        "topk k=n": dict(compress="topk", topk_fraction=1.0),
+        "powersgd before start": dict(compress="powersgd", compress_rank=1, compress_start=4),
+        "topk before start": dict(compress="topk", topk_fraction=0.1, compress_start=4),
+        "powersgd r=1": dict(compress="powersgd", compress_rank=1, min_compression_rate=1.0),
+        "topk 10%": dict(compress="topk", topk_fraction=0.1),
+        "topk 10% tree": dict(compress="topk", topk_fraction=0.1, name="tree"),
+    }.items():
+        params, sync, _, model = train(rank, n, scfg(**keys), "sgd")
+        stats = sync.comm_stats()
+        ring_topk = params if case == "topk 10%" else ring_topk
+        out[case] = {"same_as_ring": _bitwise(params, ring),
+                     "same_as_ring_topk": _bitwise(params, ring_topk),
+                     "stats": stats["compression"], "bytes_per_step": stats["bytes_per_step"],
+                     "bucket_numels": [b.numel for b in sync.buckets],
+                     "expected_elements": expected_elements(model, 1, 1.0),
+                     "numel": sum(p.numel() for p in model.parameters())}
+        sync.close()
+    return out
+
+
+def _bitwise(a, b) -> bool:
+    return b is not None and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def through_the_sync():
+    return spawn(_through_the_sync, 2, timeout=80)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["powersgd full rank", "topk k=n", "powersgd before start",
+                                  "topk before start"])
+def test_what_does_not_compress_is_sync_ring_bitwise(case, through_the_sync):
+    """Full-rank PowerSGD (no matrix worth it; error feedback off, since torch's keeps x - average,
+    a rank's own deviation, even then), top-k at k = n, and every step before compress_start:
+    sync=ring's parameters after four steps, bitwise, on every rank."""
+    for got in through_the_sync:
+        c = got[case]
+        assert c["same_as_ring"], case
+        assert c["stats"]["steps"] == 4
+        assert c["stats"]["compressing"] == (not case.endswith("before start"))
+        # what went on the wire is the whole gradient
+        assert c["stats"]["elements_per_step"] == c["stats"]["gradient_elements"] == c["numel"]
+
+
+@pytest.mark.timeout(90)
+def test_powersgd_through_the_sync_sends_rows_plus_cols_times_r(through_the_sync):
+    """r = 1, minimum rate 1: (rows + cols) per weight matrix, the biases whole; the Recorder's
+    bytes are 4 per element (fp32 P, Q and biases; a ring all-reduce at N = 2 sends its payload
+    once), bucket by bucket summing to the sync's bytes_per_step."""
+    for got in through_the_sync:
+        c = got["powersgd r=1"]
+        s = c["stats"]
+        assert not c["same_as_ring"] and s["compressing"]
+        assert s["elements_per_step"] == sum(s["bucket_elements"]) == c["expected_elements"]
+        assert s["bucket_bytes_sent"] == [4 * e for e in s["bucket_elements"]]
+        assert sum(s["bucket_bytes_sent"]) == c["bytes_per_step"]
+        assert s["gradient_elements"] == c["numel"] and len(s["bucket_compress_ms"]) == len(
+            c["bucket_numels"])
+        # torch's compression_stats, over the four steps
+        assert (s["numel_before"], s["numel_after"]) == (4 * c["numel"], 4 * c["expected_elements"])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["topk 10%", "topk 10% tree"])
+def test_topk_through_the_sync_sends_2k_per_bucket(case, through_the_sync):
+    """k = ceil(n / 10) values and k int32 indices per bucket where 2k < n, else the bucket whole;
+    4 bytes each. At N = 2 the ring's all-gather sends this rank's piece once; the tree's sends
+    rank 1's piece to rank 0, which sends the whole (both pieces) back: 8 bytes an element there."""
+    for rank, got in enumerate(through_the_sync):
+        c = got[case]
+        s = c["stats"]
+        want = [2 * math.ceil(n / 10) if 2 * math.ceil(n / 10) < n else n
+                for n in c["bucket_numels"]]
+        assert s["bucket_elements"] == want and s["elements_per_step"] == sum(want)
+        per_element = 8 if case.endswith("tree") and rank == 0 else 4
+        assert s["bucket_bytes_sent"] == [per_element * e for e in want]
+        assert sum(s["bucket_bytes_sent"]) == c["bytes_per_step"]
+        if case.endswith("tree"):  # an all-gather moves values, adding none; at N = 2 the
+            assert c["same_as_ring_topk"]  # dense buckets' a + b is b + a: ring's, bitwise
