@@ -18,7 +18,7 @@ from helpers import check
 from launchers import ranks, spawn
 from reliab_helpers import RESUME, assert_same_training_state
 from test_sync import batch, make_model
-from test_zero import train
+from test_zero import make_sync, train
 
 # Buckets of at most 0.001 MiB (262 floats): the small CNN's 1440-element FC weight alone, the rest
 # in a few buckets, so several buckets a step and matrices of three shapes.
@@ -131,3 +131,65 @@ def test_topk_through_the_sync_sends_2k_per_bucket(case, through_the_sync):
         assert sum(s["bucket_bytes_sent"]) == c["bytes_per_step"]
         if case.endswith("tree"):  # an all-gather moves values, adding none; at N = 2 the
             assert c["same_as_ring_topk"]  # dense buckets' a + b is b + a: ring's, bitwise
+
+
+def _state(sync) -> dict:
+    """The sync's compression state, flattened to {"feedback.3": tensor, ...}, copied."""
+    c = sync.state_dict()["compressor"]
+    return {f"{part}.{b}": t.clone() for part in ("feedback", "qs")
+            for b, t in c.get(part, {}).items()}
+
+
+def _planted(rank, n, keys, bad):
+    """Two steps with a GradScaler (init scale 1024, as fp16 runs it) and compression on (`keys`);
+    in the second, rank 0 plants `bad` in one gradient element before the sync. Returns whether
+    this rank's averaged gradients hold a non-finite value, the scale after, whether the
+    parameters moved, and whether the poisoned bucket's error buffer and Q are as they were and
+    every kept tensor finite."""
+    model = make_model(0)
+    sync = make_sync(scfg(overlap=False, **keys), n)  # (no hooks: the plant lands before the sync)
+    sync.prepare(model)
+    opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.1, momentum=0.9))
+    scaler = sync.grad_scaler(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    poisoned = model[0].weight  # the first parameter: in the (reversed) buckets' last
+    for step in (1, 2):
+        if step == 2:
+            kept_before = _state(sync)
+            before = [p.detach().clone() for p in model.parameters()]
+        x, y = batch(rank, step, 0)
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        if step == 2 and rank == 0:
+            poisoned.grad.view(-1)[-1] = bad
+        sync.finish()
+        nonfinite = any(not torch.isfinite(p.grad).all() for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    kept = _state(sync)
+    bucket = [k for k in kept if k.endswith(f".{sync._bucket_of[poisoned]}")]
+    sync.close()
+    return {"nonfinite": nonfinite, "scale": scaler.get_scale(),
+            "moved": not _bitwise(before, [p.detach() for p in model.parameters()]),
+            "bucket_kept_as_was": bool(bucket) and all(torch.equal(kept[k], kept_before[k])
+                                                        for k in bucket),
+            "all_finite": all(bool(torch.isfinite(t).all()) for t in kept.values())}
+
+
+@pytest.mark.timeout(60)
+def test_a_nonfinite_step_is_skipped_everywhere_and_keeps_the_error_buffers():
+    """An inf, and a NaN, in one element of rank 0's gradient: after PowerSGD (it reaches P = M Q
+    and so every rank's average) and after top-k (the largest |value|: always among what rank 0
+    sends) every rank holds it, so the GradScaler skips the step on every rank and halves its
+    scale; the poisoned bucket's error buffer and Q are last step's, and nothing kept is
+    non-finite."""
+    for got in spawn(_planted_cases, 2, timeout=50):
+        for case, r in got.items():
+            assert r == {"nonfinite": True, "scale": 512.0, "moved": False,
+                         "bucket_kept_as_was": True, "all_finite": True}, case
+
+
+def _planted_cases(rank, n):
+    return {f"{keys['compress']} {bad}": _planted(rank, n, keys, bad)
+            for keys in (dict(compress="powersgd", compress_rank=1),
+                         dict(compress="topk", topk_fraction=0.1))
+            for bad in (float("inf"), float("nan"))}
