@@ -20,6 +20,7 @@ from ddp_lab.perf.memory import predict_held
 from ddp_lab.dtypes import element_size
 from ddp_lab.metrics import with_exposed_comm
 from ddp_lab.step import compiled_graphs
+from ddp_lab.sync.config import wire_dtype
 from ddp_lab.sync.zero3 import unit_numels
 
 log = logging.getLogger("ddp_lab")

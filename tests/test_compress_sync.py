@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from background import background
-from helpers import check
+from helpers import check, summary
 from launchers import ranks, spawn
-from reliab_helpers import RESUME, assert_same_training_state
+from reliab_helpers import RESUME, assert_same_training_state, train_log
 from test_sync import batch, make_model
 from test_zero import make_sync, train
 
@@ -193,3 +193,37 @@ def _planted_cases(rank, n):
             for keys in (dict(compress="powersgd", compress_rank=1),
                          dict(compress="topk", topk_fraction=0.1))
             for bad in (float("inf"), float("nan"))}
+
+
+# ---- stop and resume, launched: rank 0's checkpoint.pt holds every rank's compression state ----
+
+# PowerSGD from step 2 of 6 (3 per epoch), with error feedback: the stop at step 4 falls mid-epoch
+# and mid-compression, with error buffers, Q and the seeds' position all in use.
+COMPRESSED = RESUME + ["sync=ring", "sync.compress=powersgd", "sync.compress_rank=1",
+                       "sync.compress_start=2"]
+
+
+@background(cost=lambda run: 6 if run == "straight" else 12, keys=("straight", "resumed"))
+def compressed_runs(run, run_dir):
+    """"straight": the 6 steps through; "resumed": stopped at step 4, checkpointing every 2 steps,
+    then the same command again. The run dir, and the stopped run's checkpoint."""
+    every = ["train.checkpoint_every=6"] if run == "straight" else ["train.checkpoint_every=2"]
+    stopped = None
+    if run == "resumed":
+        check(ranks(COMPRESSED + every + ["train.stop_at_step=4", f"hydra.run.dir={run_dir}"]))
+        stopped = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    check(ranks(COMPRESSED + every + [f"hydra.run.dir={run_dir}"]))
+    return run_dir, stopped
+
+
+@pytest.mark.timeout(300)
+def test_stop_and_resume_with_compression_equals_the_run_straight_through(compressed_runs):
+    straight, _ = compressed_runs["straight"]
+    resumed, stopped = compressed_runs["resumed"]
+    assert [s["steps"] for s in stopped["sync"]] == [4, 4]  # every rank's, rank order
+    feedback = [s["compressor"]["feedback"] for s in stopped["sync"]]
+    assert feedback[0].keys() == feedback[1].keys() and feedback[0]  # one per bucket
+    assert not all(torch.equal(feedback[0][b], feedback[1][b]) for b in feedback[0])  # per rank
+    assert f"resumed from {resumed}/checkpoint.pt at step 4" in train_log(resumed)
+    assert summary(resumed)["comm"]["compression"]["compressing"]
+    assert_same_training_state(resumed, straight)
