@@ -47,7 +47,8 @@ from ddp_lab.perf.compression import breakeven_gbps, predict_step_ms
 ARMS = {
     "fp32": [], "bf16": ["sync.compress=bf16"], "fp16": ["sync.compress=fp16"],
     **{f"powersgd-r{r}{'' if ef else '-noef'}":
-       ["sync.compress=powersgd", f"sync.compress_rank={r}", f"sync.error_feedback={str(ef).lower()}"]
+       ["sync.compress=powersgd", f"sync.compress_rank={r}",
+        f"sync.error_feedback={str(ef).lower()}"]
        for ef in (True, False) for r in (1, 2, 4)},
     "topk-1pct": ["sync.compress=topk", "sync.topk_fraction=0.01"],
 }
@@ -99,7 +100,8 @@ def plan(cfg, run_dir: str) -> list:
     points = []
 
     def add(kind, n, arm, seed, gbps, repeat, args):
-        name = f"{kind}-n{n}-{arm}-" + (f"s{seed}" if kind == "accuracy" else f"{gbps:g}gbps-r{repeat}")
+        where = f"s{seed}" if kind == "accuracy" else f"{gbps:g}gbps-r{repeat}"
+        name = f"{kind}-n{n}-{arm}-{where}"
         point = Point(name, n, "ring", arm, "compression", 32,
                       [*RECIPE, *ARMS[arm], f"seed={seed}", *args, *PASSED],
                       os.path.join(run_dir, "runs", name))
@@ -178,7 +180,8 @@ def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict],
     row = {"nproc": n, "gbps": gbps, "arm": arm, "runs": len(here),
            "acc_mean": statistics.mean(accuracy) if accuracy else math.nan,
            "acc_sd": statistics.stdev(accuracy) if len(accuracy) > 1 else math.nan,
-           "bytes_per_step": first["bytes_per_step"], "elements_per_step": first["elements_per_step"],
+           "bytes_per_step": first["bytes_per_step"],
+           "elements_per_step": first["elements_per_step"],
            "gradient_elements": first["gradient_elements"],
            "compress_ms": statistics.median(r["compress_ms"] for r in alone),
            "step_ms": step, "step_ms_min": lo, "step_ms_max": hi,
@@ -210,7 +213,8 @@ def plot(rows: list[dict], run_dir: str) -> None:
     alone = [r for r in rows if r["gbps"] == 0]
     plot_lines({f"{r['arm']} n={r['nproc']}": ([r["bytes_per_step"] / 1e6], [r["acc_mean"]])
                 for r in alone}, os.path.join(run_dir, "accuracy_vs_bytes.png"),
-               xlabel="MB sent per step per rank (counted)", ylabel="final accuracy (mean of seeds)",
+               xlabel="MB sent per step per rank (counted)",
+               ylabel="final accuracy (mean of seeds)",
                title="accuracy against bytes", logx=True)
     series = {}
     for r in sorted(rows, key=lambda r: -r["gbps"]):
