@@ -72,6 +72,7 @@ class CompressionConfig:
     timing_warmup: int = 4  # steps each run leaves out of its step time
     repeats: int = 3  # link runs per arm, speed and nproc
     target_accuracy: float = 0.7
+    compress_start: int = 0  # PowerSGD and top-k arms: steps sent uncompressed first
     point_timeout_s: float = 600.0
     threads_per_rank: int = 0  # OMP threads per rank; 0: the cores over the largest nproc
     env: dict[str, str] = field(default_factory=dict)
@@ -93,6 +94,12 @@ def check(cfg) -> None:
         raise ConfigError("steps, timing_steps and repeats must be >= 1, timing_warmup >= 0")
 
 
+def recipe() -> list[str]:
+    """RECIPE less what the command line's training overrides set themselves (optim=sgd, say)."""
+    given = {a.split("=", 1)[0] for a in PASSED}
+    return [a for a in RECIPE if a.split("=", 1)[0] not in given]
+
+
 def plan(cfg, run_dir: str) -> list:
     """Every run as a ddp_lab.scale Point, accuracy runs first."""
     from ddp_lab.scale.sweep import Point
@@ -102,8 +109,10 @@ def plan(cfg, run_dir: str) -> list:
     def add(kind, n, arm, seed, gbps, repeat, args):
         where = f"s{seed}" if kind == "accuracy" else f"{gbps:g}gbps-r{repeat}"
         name = f"{kind}-n{n}-{arm}-{where}"
+        compressor = arm.startswith(("powersgd", "topk"))
+        start = [f"sync.compress_start={cfg.compress_start}"] if compressor else []
         point = Point(name, n, "ring", arm, "compression", 32,
-                      [*RECIPE, *ARMS[arm], f"seed={seed}", *args, *PASSED],
+                      [*recipe(), *ARMS[arm], *start, f"seed={seed}", *args, *PASSED],
                       os.path.join(run_dir, "runs", name))
         points.append((point, {"phase": kind, "nproc": n, "arm": arm, "seed": seed,
                                "gbps": gbps, "repeat": repeat}))
@@ -259,7 +268,7 @@ def run(cfg, run_dir: str) -> list[dict]:
     if cfg.plot and rows:
         plot(rows, run_dir)
     write_info(run_dir, "compression", cfg, torch.device("cpu"),
-               training_overrides=[*RECIPE, *PASSED])
+               training_overrides=[*recipe(), *PASSED])
     return rows
 
 
