@@ -1,9 +1,10 @@
 """Checkpoints: atomic writes on rank 0, `weights_only` loads everywhere, exact resume.
 
 A checkpoint holds everything the next step depends on: model, optimizer, LR schedule, GradScaler,
-the step counter (which fixes epoch and position in the epoch, since the sampler is a pure
-function of seed and epoch: both are stored too, and checked against the step on resume), every
-rank's RNG states and a digest of the config that must match.
+what the sync keeps between steps (every rank's: compression's error buffers, PowerSGD's Q), the
+step counter (which fixes epoch and position in the epoch, since the sampler is a pure function of
+seed and epoch: both are stored too, and checked against the step on resume), every rank's RNG
+states and a digest of the config that must match.
 Only tensors, numbers, strings, lists and dicts go in, so `torch.load(weights_only=True)` can read
 it and no pickled code is ever executed.
 
@@ -102,6 +103,18 @@ def gather_rng_states(device: torch.device) -> list[dict]:
     states = [None] * dist.get_world_size()
     dist.all_gather_object(states, rng_state(device))
     return states
+
+
+def gather_sync_states(sync) -> list[dict]:
+    """Every rank's `sync.state_dict()` (compression's error buffers differ between ranks), in
+    rank order, on rank 0 (a collective: all ranks call it); [] on the others, and everywhere
+    when the sync keeps nothing (then it is {} on every rank: no collective)."""
+    mine = sync.state_dict()
+    if not mine:
+        return []
+    every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    return every or []
 
 
 # ---- integrity --------------------------------------------------------------------------------

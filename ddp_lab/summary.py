@@ -21,6 +21,7 @@ from ddp_lab.dtypes import element_size
 from ddp_lab.metrics import with_exposed_comm
 from ddp_lab.optim import state_tensors
 from ddp_lab.step import compiled_graphs
+from ddp_lab.sync.config import wire_dtype
 from ddp_lab.sync.zero3 import unit_numels
 
 log = logging.getLogger("ddp_lab")
@@ -93,7 +94,7 @@ def memory_block(run) -> dict:
     states = state_tensors(run.ctx.cfg.optim)
     units = unit_numels(run.parts.model) if s.zero == 3 else None
     predicted = [predict_held(numels, info.world_size, r, s.name, s.zero, states, s.bucket_mb,
-                              element_size(s.comm_dtype), s.overlap, scratch_numel, units=units,
+                              element_size(wire_dtype(s)), s.overlap, scratch_numel, units=units,
                               reshard_after_forward=s.reshard_after_forward)
                  for r in range(info.world_size)]
     by_rank = lambda rows, k: [None if row is None else row[k] for row in rows]

@@ -224,6 +224,8 @@ def restore(parts: Parts, scheduler, resumed: dict, info: DistInfo, length: Leng
     else:
         parts.model.load_state_dict(resumed["model"])
         parts.optimizer.load_state_dict(resumed["optimizer"])
+        if "sync" in resumed:  # sync.compress: this rank's error buffers, Q, step count
+            parts.sync.load_state_dict(resumed["sync"][info.rank])
     scheduler.load_state_dict(resumed["scheduler"])
     parts.precision.scaler.load_state_dict(resumed["scaler"])
     if info.rank < len(resumed["rng"]):  # (a rank the writing run did not have keeps its seed)
@@ -383,6 +385,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     parts, ctx = run.parts, run.ctx
     assert_finite(parts.model, parts.optimizer, step)  # a NaN never reaches a checkpoint
     rng = checkpoint.gather_rng_states(ctx.info.device)
+    sync_states = [] if shards_state(ctx.cfg.sync) else checkpoint.gather_sync_states(parts.sync)
     sharded, n = shards_state(ctx.cfg.sync), ctx.info.world_size
     spe, accum = run.length.steps_per_epoch, ctx.cfg.train.accum_steps
     state = {"scaler": parts.precision.scaler.state_dict(), "step": step,
@@ -395,7 +398,8 @@ def save_checkpoint(run: Run, step: int) -> None:
         paths = [sharded_checkpoint.save(parts.sync, parts.model, parts.optimizer, state,
                                          ctx.run_dir, step, ctx.cfg.train.keep_every)]
     elif ctx.info.is_main:
-        state |= {"model": parts.model.state_dict(), **float_lrs(parts.optimizer, run.scheduler)}
+        state |= {"model": parts.model.state_dict(), **float_lrs(parts.optimizer, run.scheduler),
+                  **({"sync": sync_states} if sync_states else {})}
         paths = checkpoint.save(state, ctx.run_dir, step, ctx.cfg.train.keep_every)
     if ctx.info.is_main:
         log.info("step %d: checkpoint saved (%s)", step, ", ".join(map(os.path.basename, paths)))

@@ -254,6 +254,10 @@ def test_ddp_compress_is_torchs_own_hooks():
     (["sync=ddp", "sync.compress=powersgd", "sync.compress_start=2",
       "sync.min_compression_rate=0"], "sync.min_compression_rate=0.0 must be > 0"),
     (["sync=ddp", "sync.compress=topk"], "sync.compress=topk with sync=ddp: torch has no top-k"),
+    # the syncs that do not all-gather: ddp above; fsdp and none do not read sync.compress
+    (["sync=fsdp", "sync.compress=topk"], "sync.compress=topk has no effect with sync=fsdp"),
+    (["sync=ring", "sync.zero=1", "sync.compress=topk"],
+     "sync.compress=topk with sync.zero=1: compression of reduce-scattered shards is not built"),
     (["sync=ddp", "sync.compress=powersgd"], "sync.compress_start=0 with sync=ddp"),
     (["sync=ddp", "sync.compress=bf16", "sync.comm_dtype=fp16"],
      "sync.compress=bf16 with sync.comm_dtype=fp16"),

@@ -24,6 +24,11 @@ class Ops:
 class Compressor:
     """The interface: see the package docstring."""
 
+    @classmethod
+    def from_config(cls, scfg) -> "Compressor":
+        """One built from the sync group's keys (sync.compress_rank, sync.topk_fraction, ...)."""
+        raise NotImplementedError
+
     def reduce(self, key: int, flat: torch.Tensor, shapes: list[torch.Size], ops: Ops) -> None:
         raise NotImplementedError
 

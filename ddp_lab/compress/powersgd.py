@@ -17,6 +17,11 @@ whole bucket, as torch's hook keeps it (ddp_lab/compress/feedback.py).
 
 Elements on the wire per compressed matrix: (rows + cols) r, against rows x cols uncompressed;
 `numel_before` / `numel_after` count them as torch's `compression_stats` does.
+
+A step with an inf or NaN in any rank's bucket leaves the compressor as it was: an inf/NaN in M
+reaches P = M Q, and through the all-reduces the average on every rank, so every rank sees the
+same non-finite result (and the guard skips the step on every rank); neither the kept error nor
+Q is replaced by it. Q is worked on as a copy and kept only after a finite step for that reason.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class PowerSGD(Compressor):
         self.qs: dict[int, torch.Tensor] = {}  # by bucket: every compressed matrix's Q, flat
         self.numel_before = self.numel_after = 0  # torch's compression_stats
 
+    @classmethod
+    def from_config(cls, scfg) -> "PowerSGD":
+        return cls(scfg.compress_rank, scfg.min_compression_rate, scfg.error_feedback)
+
     def split(self, flat: torch.Tensor, shapes) -> tuple[list, list]:
         """([(M, r)] the matrices to compress, as views of `flat`; [the rest, flat slices])."""
         mats, rest, off = [], [], 0
@@ -69,11 +78,15 @@ class PowerSGD(Compressor):
             ops.all_reduce(together)
             together.div_(ops.world_size)
             _unpack(together, rest)
-        if mats:
-            self._power_step(key, mats, ops)
+        q_flat = self._power_step(key, mats, ops) if mats else None
+        if not torch.isfinite(flat).all():  # the same verdict on every rank: see the module
+            return
         self.feedback.keep(key, x, flat)
+        if q_flat is not None:
+            self.qs[key] = q_flat
 
-    def _power_step(self, key: int, mats: list, ops: Ops) -> None:
+    def _power_step(self, key: int, mats: list, ops: Ops) -> torch.Tensor:
+        """M ~ P Q^T for every matrix, in place; returns the new Qs (flat) to keep."""
         ps, p_flat = _buffers(flat_like=mats[0][0], sizes=[(m.shape[0], r) for m, r in mats])
         qs, q_flat = self._warm_qs(key, mats)
         for (m, _), p, q in zip(mats, ps, qs):
@@ -87,24 +100,25 @@ class PowerSGD(Compressor):
         q_flat.div_(ops.world_size)
         for (m, _), p, q in zip(mats, ps, qs):
             torch.mm(p, q.t(), out=m)
+        return q_flat
 
     def _warm_qs(self, key: int, mats: list) -> tuple[list, torch.Tensor]:
-        """Every matrix's Q, views of one flat buffer kept per bucket: last step's, orthogonalised
-        again, or (the first time) random from the next seed of the shared sequence."""
+        """Every matrix's Q, views of a copy of the flat buffer kept per bucket: last step's,
+        orthogonalised again, or (the first time) random from the next seed of the shared
+        sequence, kept from then on."""
         sizes = [(m.shape[1], r) for m, r in mats]
-        first = key not in self.qs
-        if first:
-            self.qs[key] = torch.empty(sum(a * b for a, b in sizes), dtype=mats[0][0].dtype,
-                                       device=mats[0][0].device)
-        qs = _views(self.qs[key], sizes)
-        if first:
+        if key not in self.qs:
+            first = torch.empty(sum(a * b for a, b in sizes), dtype=mats[0][0].dtype)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.rng.randint(1_000_000_000))
-                for q in qs:
+                for q in _views(first, sizes):
                     q.copy_(torch.randn(*q.shape, dtype=q.dtype))
+            self.qs[key] = first.to(mats[0][0].device)
+        q_flat = self.qs[key].clone()
+        qs = _views(q_flat, sizes)
         for q in qs:
             _orthogonalize(q.unsqueeze(0))
-        return qs, self.qs[key]
+        return qs, q_flat
 
     def state_dict(self) -> dict:
         return {"feedback": self.feedback.state_dict(),

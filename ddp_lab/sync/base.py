@@ -72,6 +72,15 @@ class GradSync:
         """Clip the optimizer's gradients to a global L2 norm of `max_norm`; return the norm."""
         return torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm)
 
+    def state_dict(self) -> dict:
+        """What this rank's sync keeps from step to step beside the model and the optimizer
+        (compression's error buffers, PowerSGD's Q: sync/compressed.py); {} where nothing. Rank 0's
+        checkpoint.pt holds every rank's (ddp_lab/train.py)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """This rank's part of what `state_dict` returned when the checkpoint was written."""
+
     # ---- checkpoints. Whole copies (sync.zero=0): rank 0 writes checkpoint.pt from the model's
     #      and optimizer's state dicts (ddp_lab/checkpoint.py). Where each rank holds a part
     #      (ZeRO, FSDP: sync.config.shards_state), each writes its own through these two

@@ -36,10 +36,15 @@ overlap=true
 accumulation
     Under no_sync() the hooks do nothing; only the last micro-step's backward communicates.
 
-comm_dtype=bf16|fp16
+comm_dtype=bf16|fp16 (or sync.compress=bf16|fp16, its other name)
     Each gradient is divided by the world size in its own precision and only then cast into the
     bucket (so an fp16 sum cannot overflow where the average would not), summed in the low
     dtype, and cast back up on unpack. fp32: buckets in the gradients' own dtype.
+
+compress=powersgd|topk
+    A packed bucket is averaged by a compressor through the sync's own collectives instead of
+    the all-reduce (ddp_lab/sync/compressed.py: compress_start, the counts, the checkpointed
+    state).
 
 Counting: every byte goes through ddp_lab.comm's point-to-point layer; bytes_per_step() is what
 this rank sent between two finish() calls, counted (comm_stats' messages_per_step: in how many
@@ -60,9 +65,11 @@ from torch import nn
 from ddp_lab import buckets, comm
 from ddp_lab.dtypes import DTYPES
 from ddp_lab.comm.p2p import Recorder, recording
+from ddp_lab.compress import Ops
 from ddp_lab.sync.base import GradSync
 from ddp_lab.sync.comm_thread import CommThread
-from ddp_lab.sync.config import SYNCS
+from ddp_lab.sync.compressed import CompressedBuckets
+from ddp_lab.sync.config import SYNCS, wire_dtype
 
 
 @dataclass
@@ -91,7 +98,9 @@ class BucketedSync(GradSync):
         self.name = self.algo = scfg.name
         self.bucket_mb = scfg.bucket_mb
         self.overlap = bool(scfg.overlap)
-        self.comm_dtype = comm_dtype(scfg.comm_dtype)
+        self.comm_dtype = comm_dtype(wire_dtype(scfg))
+        self.compression = (CompressedBuckets(scfg, device)
+                            if scfg.compress in ("powersgd", "topk") else None)
         self.device, self.world_size, self.group = device, world_size, group
         self.cuda = device.type == "cuda"
         self.params: list[nn.Parameter] = []
@@ -232,12 +241,21 @@ class BucketedSync(GradSync):
             torch.cuda.current_stream().wait_event(ready_event)
         with torch.no_grad():
             self._pack(bucket.params, bucket.views)
-            self._communicate(b, comm.all_reduce, bucket.buffer)
+            if self.compression is None:
+                self._communicate(b, comm.all_reduce, bucket.buffer)
+            else:  # the average, by the compressor, through the collectives below
+                self.compression.reduce(b, bucket, self._ops(b), last=b == len(self.buckets) - 1)
             for p, view in zip(bucket.params, bucket.views):
-                if self.comm_dtype is None and self.world_size > 1:
+                if self.comm_dtype is None and self.world_size > 1 and self.compression is None:
                     torch.div(view, self.world_size, out=p.grad)  # SUM then divide, in the unpack
                 else:
-                    p.grad.copy_(view)  # (low dtype: divided before the cast already)
+                    p.grad.copy_(view)  # (low dtype: divided before the cast; compressed: averaged)
+
+    def _ops(self, b: int) -> Ops:
+        """The collectives a compressor runs on bucket b: the sync's own, counted and traced."""
+        return Ops(self.world_size, lambda t: self._communicate(b, comm.all_reduce, t),
+                   lambda mine, whole: self._communicate(b, comm.all_gather, mine, whole,
+                                                         span="allgather"))
 
     def _pack(self, params, views) -> None:
         """Each parameter's gradient into its view of a bucket buffer."""
@@ -322,10 +340,18 @@ class BucketedSync(GradSync):
                 "messages_per_step": self._last["messages_per_step"],
                 "comm_busy_ms": self.comm_busy_ms(),
                 "buckets_launched_in_backward": self._last["launched_in_backward"],
-                "collectives_per_step": dict(self._last["collectives"])}
+                "collectives_per_step": dict(self._last["collectives"]),
+                **({"compression": self.compression.stats()} if self.compression else {})}
 
     def comm_buffers(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.buckets]
+
+    def state_dict(self) -> dict:
+        return self.compression.state_dict() if self.compression else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.compression:
+            self.compression.load_state_dict(state)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -339,8 +365,8 @@ class BucketedSync(GradSync):
 # Every collective of ours is a sync (with sync.zero>=1 zero.py's ShardedSync, at 3 zero3.py's
 # ZeRO3Sync: build_sync).
 for _algo in comm.OURS:
-    SYNCS.register(_algo, BucketedSync, reads=("bucket_mb", "overlap", "comm_dtype", "zero",
-                                               "reshard_after_forward"))
+    SYNCS.register(_algo, BucketedSync, reads=("bucket_mb", "overlap", "comm_dtype", "compress",
+                                               "zero", "reshard_after_forward"))
 
 
 def comm_dtype(name: str) -> torch.dtype | None:

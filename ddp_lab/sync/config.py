@@ -58,6 +58,12 @@ class SyncConfig:
     reshard_after_forward: bool = key(True, read_by=SYNCS)
 
 
+def wire_dtype(scfg) -> str:
+    """The dtype our syncs' buckets hold: sync.compress=bf16|fp16, else sync.comm_dtype (the
+    older name of the same 16-bit all-reduce)."""
+    return scfg.compress if scfg.compress in ("bf16", "fp16") else scfg.comm_dtype
+
+
 def shards_state(scfg) -> bool:
     """Whether each rank holds only part of the training state (ZeRO, FSDP): its checkpoints are
     then sharded (ddp_lab/sharded_checkpoint.py), not checkpoint.pt."""

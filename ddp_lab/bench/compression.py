@@ -1,0 +1,290 @@
+"""The compression study: what each `sync.compress` arm costs in accuracy, saves in bytes, and does
+to the step time on slower links, measured, beside the performance model's prediction.
+
+    python -m ddp_lab.bench.compression                                   # every arm, 3 seeds
+    python -m ddp_lab.bench.compression nproc=[2,4,8] gbps=[0,10,1]       # a 16-core host
+    python -m ddp_lab.bench.compression arms=[fp32,powersgd-r2] seeds=[0] gbps=[0] steps=3 \
+        target_accuracy=0 train.eval_every_epochs=0                       # count elements only
+    python -m ddp_lab.bench.compression data=cifar10                      # CIFAR-10, when present
+
+Training overrides on the command line (model=..., data=..., optim.*, train.*, sync.*, seed=...)
+go to every run, as with `python -m ddp_lab.scale`. Every run is a real torchrun job of
+ddp_lab.train (sync=ring, AdamW, `RECIPE`), one at a time:
+- accuracy runs: each arm x seed x nproc, `steps` steps, no emulated link, evaluated each epoch;
+- link runs: each of `link_arms` x link speed (`gbps` > 0) x nproc, `repeats` times,
+  `timing_steps` steps, every rank its own node behind a link of that speed (dist.node_size=1,
+  dist.link.gbps; ddp_lab/dist.py), so every byte it sends waits on it.
+Per run (runs.jsonl): final accuracy, accuracy per evaluation, the step time (the run's median
+over its timed steps), bytes and elements sent per step (counted: the Recorder's bytes; the
+elements handed to the collectives, summary.json's `comm.compression`, else every gradient
+element), the compressor's own host time per step.
+Per arm, nproc and link (arms.jsonl, the table): accuracy mean and sd over seeds, bytes and
+elements per step and how many times fewer elements than fp32, the step time median (min-max)
+over its runs, steps and seconds to `target_accuracy`, and on a link the step time predicted
+from the arm's own runs without a link plus its bytes over the link (ddp_lab/perf/compression.py),
+the change against fp32 measured and predicted, and without a link the speed below which the arm
+starts to pay (`breakeven_gbps`). The predictions use only the runs without a link: every
+linked point is one the model was not fitted on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from hydra.core.config_store import ConfigStore
+
+from ddp_lab.bench.common import entry, plot_lines, report, write_info
+from ddp_lab.config import ConfigError
+from ddp_lab.perf.compression import breakeven_gbps, predict_step_ms
+
+# Every arm's sync.* overrides.
+ARMS = {
+    "fp32": [], "bf16": ["sync.compress=bf16"], "fp16": ["sync.compress=fp16"],
+    **{f"powersgd-r{r}{'' if ef else '-noef'}":
+       ["sync.compress=powersgd", f"sync.compress_rank={r}",
+        f"sync.error_feedback={str(ef).lower()}"]
+       for ef in (True, False) for r in (1, 2, 4)},
+    "topk-1pct": ["sync.compress=topk", "sync.topk_fraction=0.01"],
+}
+# Every run: our ring, AdamW (SGD's first epochs on digits barely move: the study's budget is a
+# few epochs), a short warm-up, no checkpoint but the last (removed after reading), no resume.
+RECIPE = ["sync=ring", "optim=adamw", "optim.warmup_steps=5", "train.batch_size=32",
+          "train.calibrate_steps=0", "train.progress=false", "train.resume=never",
+          "train.checkpoint_every=1000000"]
+PASSED = []  # the command line's training overrides (main)
+
+
+@dataclass
+class CompressionConfig:
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    nproc: list[int] = field(default_factory=lambda: [2, 4])
+    gbps: list[float] = field(default_factory=lambda: [0.0, 10.0, 1.0])  # 0: no emulated link
+    link_arms: list[str] = field(default_factory=list)  # arms timed on the links; []: every arm
+    steps: int = 66  # the accuracy runs' fixed budget (3 epochs of digits at 2 x 32)
+    timing_steps: int = 12  # the link runs'
+    timing_warmup: int = 4  # steps each run leaves out of its step time
+    repeats: int = 3  # link runs per arm, speed and nproc
+    target_accuracy: float = 0.7
+    compress_start: int = 0  # PowerSGD and top-k arms: steps sent uncompressed first
+    point_timeout_s: float = 600.0
+    threads_per_rank: int = 0  # OMP threads per rank; 0: the cores over the largest nproc
+    env: dict[str, str] = field(default_factory=dict)
+    plot: bool = True
+
+
+ConfigStore.instance().store(name="bench_compression_schema", node=CompressionConfig)
+
+
+def check(cfg) -> None:
+    bad = [a for a in [*cfg.arms, *cfg.link_arms] if a not in ARMS]
+    if bad:
+        raise ConfigError(f"arms: {bad[0]!r} is not one of {', '.join(ARMS)}")
+    if "fp32" not in cfg.arms or cfg.link_arms and "fp32" not in cfg.link_arms:
+        raise ConfigError("arms and link_arms must hold fp32: every other arm is compared with it")
+    if not cfg.seeds or not cfg.nproc or min(cfg.nproc) < 1 or 0 not in cfg.gbps:
+        raise ConfigError("seeds, nproc (>= 1) and gbps (with 0: no link) must not be empty")
+    if min(cfg.steps, cfg.timing_steps, cfg.repeats) < 1 or cfg.timing_warmup < 0:
+        raise ConfigError("steps, timing_steps and repeats must be >= 1, timing_warmup >= 0")
+
+
+def recipe() -> list[str]:
+    """RECIPE less what the command line's training overrides set themselves (optim=sgd, say)."""
+    given = {a.split("=", 1)[0] for a in PASSED}
+    return [a for a in RECIPE if a.split("=", 1)[0] not in given]
+
+
+def plan(cfg, run_dir: str) -> list:
+    """Every run as a ddp_lab.scale Point, accuracy runs first."""
+    from ddp_lab.scale.sweep import Point
+
+    points = []
+
+    def add(kind, n, arm, seed, gbps, repeat, args):
+        where = f"s{seed}" if kind == "accuracy" else f"{gbps:g}gbps-r{repeat}"
+        name = f"{kind}-n{n}-{arm}-{where}"
+        compressor = arm.startswith(("powersgd", "topk"))
+        start = [f"sync.compress_start={cfg.compress_start}"] if compressor else []
+        point = Point(name, n, "ring", arm, "compression", 32,
+                      [*recipe(), *ARMS[arm], *start, f"seed={seed}", *args, *PASSED],
+                      os.path.join(run_dir, "runs", name))
+        points.append((point, {"phase": kind, "nproc": n, "arm": arm, "seed": seed,
+                               "gbps": gbps, "repeat": repeat}))
+
+    for n in cfg.nproc:
+        for arm in cfg.arms:
+            for seed in cfg.seeds:
+                add("accuracy", n, arm, seed, 0.0, 0, [f"train.max_steps={cfg.steps}",
+                                                       f"train.timing_warmup={cfg.timing_warmup}"])
+        for gbps in (g for g in cfg.gbps if g > 0):
+            for arm in cfg.link_arms or cfg.arms:
+                for repeat in range(cfg.repeats):
+                    add("link", n, arm, cfg.seeds[0], gbps, repeat, [
+                        f"train.max_steps={cfg.timing_steps}", "train.eval_every_epochs=0",
+                        f"train.timing_warmup={cfg.timing_warmup}", "dist.node_size=1",
+                        f"dist.link.gbps={gbps:g}"])
+    return points
+
+
+def run_row(point, what: dict, target: float) -> dict:
+    """One run's row from its summary.json and metrics.jsonl."""
+    row = {**what, "status": point.status, "wall_s": round(point.wall_s, 1)}
+    if point.status != "ok":
+        return row | {"error": point.error.splitlines()[0] if point.error else ""}
+    s = point.summary
+    compression = s["comm"].get("compression", {})
+    curve = evaluations(point.run_dir)
+    reached = [step for step, acc in curve if acc >= target]
+    return row | {
+        "val_accuracy": s["val_accuracy"], "step_ms": s["time_ms"].get("step", math.nan),
+        "bytes_per_step": s["comm_bytes_per_step"],
+        "elements_per_step": compression.get("elements_per_step", s["parameters"]),
+        "gradient_elements": s["parameters"],
+        "compress_ms": compression.get("compress_ms", 0.0),
+        "steps_to_target": reached[0] if reached else None, "curve": curve}
+
+
+def evaluations(run_dir: str) -> list[list]:
+    """[step, validation accuracy] of every evaluation of a run (its metrics.jsonl)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [[r["step"], r["val/accuracy"]] for r in rows if "val/accuracy" in r]
+
+
+def _spread(xs: list[float]) -> tuple[float, float, float]:
+    return (statistics.median(xs), min(xs), max(xs)) if xs else (math.nan,) * 3
+
+
+def arm_rows(runs: list[dict], cfg) -> list[dict]:
+    """The table: one row per nproc, link speed and arm that has runs (see the module)."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    pick = lambda **k: [r for r in ok if all(r[a] == v for a, v in k.items())]
+    rows = []
+    for n in cfg.nproc:
+        for gbps in cfg.gbps:
+            for arm in cfg.arms:
+                here, alone = pick(nproc=n, gbps=gbps, arm=arm), pick(nproc=n, gbps=0.0, arm=arm)
+                if here and alone:
+                    rows.append(_arm_row(n, gbps, arm, here, alone, cfg))
+    for row in rows:  # against fp32 at the same nproc and link
+        base = next((b for b in rows if (b["nproc"], b["gbps"], b["arm"]) ==
+                     (row["nproc"], row["gbps"], "fp32")), None)
+        if base is not None:
+            _against(row, base)
+    return rows
+
+
+def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict], cfg) -> dict:
+    accuracy = [r["val_accuracy"] for r in alone if r["phase"] == "accuracy"]
+    step, lo, hi = _spread([r["step_ms"] for r in here])
+    reached = [r["steps_to_target"] for r in alone if r.get("steps_to_target") is not None]
+    steps_to = statistics.median(reached) if len(reached) > len(accuracy) / 2 else math.nan
+    first = alone[0]
+    row = {"nproc": n, "gbps": gbps, "arm": arm, "runs": len(here),
+           "acc_mean": statistics.mean(accuracy) if accuracy else math.nan,
+           "acc_sd": statistics.stdev(accuracy) if len(accuracy) > 1 else math.nan,
+           "bytes_per_step": first["bytes_per_step"],
+           "elements_per_step": first["elements_per_step"],
+           "gradient_elements": first["gradient_elements"],
+           "compress_ms": statistics.median(r["compress_ms"] for r in alone),
+           "step_ms": step, "step_ms_min": lo, "step_ms_max": hi,
+           "reached_target": f"{len(reached)}/{len(accuracy)}", "steps_to_target": steps_to,
+           "time_to_target_s": steps_to * step / 1e3}
+    if gbps:
+        row["predicted_step_ms"] = predict_step_ms(_spread([r["step_ms"] for r in alone])[0],
+                                                   row["bytes_per_step"], gbps)
+        row["predicted_err_pct"] = 100 * (row["predicted_step_ms"] / step - 1)
+    return row
+
+
+def _against(row: dict, base: dict) -> None:
+    """The row's elements, accuracy and step time against fp32's at its nproc and link."""
+    row["x_fewer_elements"] = base["elements_per_step"] / row["elements_per_step"]
+    row["acc_vs_fp32_pts"] = 100 * (row["acc_mean"] - base["acc_mean"])
+    row["step_change_ms"] = row["step_ms"] - base["step_ms"]
+    if "predicted_step_ms" in row:
+        row["predicted_change_ms"] = row["predicted_step_ms"] - base["predicted_step_ms"]
+        row["change_err_pct"] = (100 * (row["predicted_change_ms"] / row["step_change_ms"] - 1)
+                                 if row["step_change_ms"] else math.nan)
+    else:
+        row["breakeven_gbps"] = breakeven_gbps(row["step_ms"], row["bytes_per_step"],
+                                               base["step_ms"], base["bytes_per_step"])
+
+
+def plot(rows: list[dict], run_dir: str) -> None:
+    """accuracy against bytes per step (no link), and measured against predicted step time."""
+    alone = [r for r in rows if r["gbps"] == 0]
+    plot_lines({f"{r['arm']} n={r['nproc']}": ([r["bytes_per_step"] / 1e6], [r["acc_mean"]])
+                for r in alone}, os.path.join(run_dir, "accuracy_vs_bytes.png"),
+               xlabel="MB sent per step per rank (counted)",
+               ylabel="final accuracy (mean of seeds)",
+               title="accuracy against bytes", logx=True)
+    series = {}
+    for r in sorted(rows, key=lambda r: -r["gbps"]):
+        if r["gbps"]:
+            for kind, y in (("measured", r["step_ms"]), ("predicted", r["predicted_step_ms"])):
+                xs, ys = series.setdefault(f"{r['arm']} n={r['nproc']} {kind}", ([], []))
+                xs.append(r["gbps"])
+                ys.append(y)
+    if series:
+        plot_lines(series, os.path.join(run_dir, "step_time_vs_link.png"), xlabel="link (Gb/s)",
+                   ylabel="step time (ms)", title="measured and predicted step time", logx=True)
+
+
+COLUMNS = ["nproc", "gbps", "arm", "acc_mean", "acc_sd", "bytes_per_step", "elements_per_step",
+           "x_fewer_elements", "compress_ms", "step_ms", "step_ms_min", "step_ms_max",
+           "predicted_step_ms", "step_change_ms", "predicted_change_ms", "change_err_pct",
+           "breakeven_gbps", "reached_target", "time_to_target_s"]
+
+
+def run(cfg, run_dir: str) -> list[dict]:
+    from ddp_lab.scale.launch import launch, point_env
+
+    check(cfg)
+    points = plan(cfg, run_dir)
+    env = point_env(cfg, "cpu", max(cfg.nproc))
+    runs = []
+    for i, (point, what) in enumerate(points):
+        launch(point, env, cfg.point_timeout_s, keep_checkpoints=False)
+        runs.append(run_row(point, what, cfg.target_accuracy))
+        print(f"[{i + 1}/{len(points)}] {point.name}: {point.status} ({point.wall_s:.0f} s)",
+              flush=True)
+    report(runs, run_dir, "runs", ["phase", "nproc", "arm", "seed", "gbps", "repeat", "status",
+                                   "val_accuracy", "step_ms", "bytes_per_step",
+                                   "elements_per_step", "steps_to_target"], title="every run")
+    rows = arm_rows(runs, cfg)
+    report(rows, run_dir, "arms", COLUMNS, title="per arm (against fp32 at its nproc and link)",
+           notes=[f"accuracy: mean and sd over {len(cfg.seeds)} seeds after {cfg.steps} steps; "
+                  "step_ms: median (min, max) over the runs",
+                  "predicted = the arm's step without a link + its bytes over the link "
+                  "(ddp_lab/perf/compression.py); fitted on no linked point",
+                  "breakeven_gbps: below this link speed the arm's step is shorter than fp32's"])
+    if cfg.plot and rows:
+        plot(rows, run_dir)
+    write_info(run_dir, "compression", cfg, torch.device("cpu"),
+               training_overrides=[*recipe(), *PASSED])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Training overrides go to every run (PASSED), the rest to the study's own config."""
+    from ddp_lab.scale.app import run_name
+    from ddp_lab.scale.sweep import PASS_THROUGH
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    PASSED[:] = [a for a in argv if PASS_THROUGH.match(a)]
+    own = [a for a in argv if not PASS_THROUGH.match(a)]
+    if not any(a.startswith("hydra.run.dir=") for a in own):
+        own.append(f"hydra.run.dir=outputs/bench/compression/{run_name(argv)}")
+    sys.argv = [sys.argv[0], *own]
+    entry(run, "bench/compression")()
+
+
+if __name__ == "__main__":
+    main()

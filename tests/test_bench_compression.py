@@ -1,0 +1,71 @@
+"""The compression study's arithmetic (ddp_lab/bench/compression.py, ddp_lab/perf/compression.py),
+in process on hand-made run rows: no launch. The study itself: docs/results/cpu-compression."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from ddp_lab.bench.compression import ARMS, arm_rows, check
+from ddp_lab.config import ConfigError
+from ddp_lab.perf.compression import breakeven_gbps, predict_step_ms, wire_ms
+
+
+def test_the_link_adds_bytes_over_its_speed():
+    # 125 MB at 1 Gb/s = 1 s; no link adds nothing
+    assert wire_ms(125e6, 1.0) == pytest.approx(1000.0, rel=1e-12)
+    assert wire_ms(125e6, 0.0) == 0.0
+    assert predict_step_ms(200.0, 12.5e6, 10.0) == pytest.approx(210.0, rel=1e-12)
+
+
+def test_compression_pays_below_the_breakeven_speed():
+    # 10 ms more compute to save 12.5 MB: the link saves 10 ms at 10 Gb/s exactly
+    g = breakeven_gbps(110.0, 0.0, 100.0, 12.5e6)
+    assert g == pytest.approx(10.0, rel=1e-12)
+    for gbps, pays in ((g / 2, True), (g * 2, False)):
+        assert (predict_step_ms(110.0, 0.0, gbps) < predict_step_ms(100.0, 12.5e6, gbps)) == pays
+    assert breakeven_gbps(90.0, 1.0, 100.0, 2.0) == math.inf  # faster even without a link
+    assert breakeven_gbps(90.0, 2.0, 100.0, 2.0) == 0.0  # saves no bytes
+
+
+def _run(arm, gbps, step_ms, seed=0, acc=0.8, nbytes=1000, elements=250):
+    return {"phase": "accuracy" if gbps == 0 else "link", "nproc": 2, "arm": arm, "seed": seed,
+            "gbps": gbps, "status": "ok", "val_accuracy": acc, "step_ms": step_ms,
+            "bytes_per_step": nbytes, "elements_per_step": elements, "gradient_elements": 250,
+            "compress_ms": 0.0, "steps_to_target": 10}
+
+
+def test_arm_rows_compare_each_arm_with_fp32_at_its_link():
+    cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32", "powersgd-r2"])
+    runs = [_run("fp32", 0.0, ms, seed=s, acc=a) for s, (ms, a) in enumerate(
+        [(100.0, 0.8), (102.0, 0.9), (98.0, 0.7)])]
+    runs += [_run("powersgd-r2", 0.0, 110.0, seed=s, acc=0.8, nbytes=10, elements=5)
+             for s in range(3)]
+    runs += [_run("fp32", 1.0, 110.0), _run("powersgd-r2", 1.0, 111.0, nbytes=10, elements=5)]
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg)}
+    fp32, psgd = rows[0.0, "fp32"], rows[0.0, "powersgd-r2"]
+    assert (fp32["step_ms"], fp32["step_ms_min"], fp32["step_ms_max"]) == (100.0, 98.0, 102.0)
+    assert fp32["acc_mean"] == pytest.approx(0.8) and fp32["acc_sd"] == pytest.approx(0.1)
+    assert psgd["x_fewer_elements"] == 50 and psgd["acc_vs_fp32_pts"] == pytest.approx(0.0)
+    # 990 bytes saved x 8 over 10 ms more: 792 kb/s
+    assert psgd["breakeven_gbps"] == pytest.approx(990 * 8 / 10e-3 / 1e9)
+    linked = rows[1.0, "powersgd-r2"]  # 110 + 10 B over 1 Gb/s; fp32: 100 + 1000 B
+    assert linked["predicted_step_ms"] == pytest.approx(110.0 + 8e-5)
+    assert linked["predicted_change_ms"] == pytest.approx(10.0 + 8e-5 - 8e-3)
+    assert linked["step_change_ms"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(arms=["fp32", "zip"]), "arms: 'zip' is not one of"),
+    (dict(arms=["bf16"]), "must hold fp32"),
+    (dict(link_arms=["bf16"]), "must hold fp32"),
+    (dict(gbps=[10.0]), "with 0: no link"),
+])
+def test_bad_study_settings_are_one_line(keys, message):
+    cfg = SimpleNamespace(**{"arms": list(ARMS), "link_arms": [], "seeds": [0], "nproc": [2],
+                             "gbps": [0.0, 1.0], "steps": 3, "timing_steps": 3, "repeats": 1,
+                             "timing_warmup": 1, **keys})
+    with pytest.raises(ConfigError, match=message):
+        check(cfg)

@@ -1,0 +1,229 @@
+"""sync.compress inside our syncs (ddp_lab/sync/compressed.py behind sync/bucketed.py), on real
+gloo groups, against named references: the uncompressed sync=ring (what must not compress, and
+every step before sync.compress_start, equals it bitwise); (rows + cols) r elements per compressed
+matrix and 2k per top-k bucket, counted, and the bytes the Recorder counts; a step holding an
+inf or NaN leaves the error buffers and Q as they were; stop-and-resume with compression on
+equals the run straight through, bitwise. (The compressors alone: tests/test_compress.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from background import background
+from helpers import check, summary
+from launchers import ranks, spawn
+from reliab_helpers import RESUME, assert_same_training_state, train_log
+from test_sync import batch, make_model
+from test_zero import make_sync, train
+
+# Buckets of at most 0.001 MiB (262 floats): the small CNN's 1440-element FC weight alone, the rest
+# in a few buckets, so several buckets a step and matrices of three shapes.
+RING = dict(name="ring", bucket_mb=0.001)
+
+
+def scfg(**keys):
+    """The sync group as the schema makes it (every key at its default but these)."""
+    from ddp_lab.sync.config import SyncConfig
+
+    return SyncConfig(**{**RING, **keys})
+
+
+def expected_elements(model: nn.Module, r: int, min_rate: float) -> int:
+    """PowerSGD's elements a step: (rows + cols) r per matrix worth compressing, every other
+    parameter whole (torch's rule, written out here rather than taken from ddp_lab)."""
+    total = 0
+    for p in model.parameters():
+        rows, cols = p.shape[0], p.numel() // p.shape[0]
+        rank = min(rows, cols, r)
+        worth = p.dim() > 1 and (rows + cols) * rank * min_rate < rows * cols
+        total += (rows + cols) * rank if worth else p.numel()
+    return total
+
+
+def _through_the_sync(rank, n):
+    """Four SGD steps of the small CNN (tests/test_zero.py's `train`) per case; what each case's
+    parameters and last step's counts are, as plain data."""
+    ring = train(rank, n, scfg(), "sgd")[0]
+    out, ring_topk = {}, None
+    for case, keys in {
+        "powersgd full rank": dict(compress="powersgd", compress_rank=64, error_feedback=False),
+        "topk k=n": dict(compress="topk", topk_fraction=1.0),
+        "powersgd before start": dict(compress="powersgd", compress_rank=1, compress_start=4),
+        "topk before start": dict(compress="topk", topk_fraction=0.1, compress_start=4),
+        "powersgd r=1": dict(compress="powersgd", compress_rank=1, min_compression_rate=1.0),
+        "topk 10%": dict(compress="topk", topk_fraction=0.1),
+        "topk 10% tree": dict(compress="topk", topk_fraction=0.1, name="tree"),
+    }.items():
+        params, sync, _, model = train(rank, n, scfg(**keys), "sgd")
+        stats = sync.comm_stats()
+        ring_topk = params if case == "topk 10%" else ring_topk
+        out[case] = {"same_as_ring": _bitwise(params, ring),
+                     "same_as_ring_topk": _bitwise(params, ring_topk),
+                     "stats": stats["compression"], "bytes_per_step": stats["bytes_per_step"],
+                     "bucket_numels": [b.numel for b in sync.buckets],
+                     "expected_elements": expected_elements(model, 1, 1.0),
+                     "numel": sum(p.numel() for p in model.parameters())}
+        sync.close()
+    return out
+
+
+def _bitwise(a, b) -> bool:
+    return b is not None and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def through_the_sync():
+    return spawn(_through_the_sync, 2, timeout=80)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["powersgd full rank", "topk k=n", "powersgd before start",
+                                  "topk before start"])
+def test_what_does_not_compress_is_sync_ring_bitwise(case, through_the_sync):
+    """Full-rank PowerSGD (no matrix worth it; error feedback off, since torch's keeps x - average,
+    a rank's own deviation, even then), top-k at k = n, and every step before compress_start:
+    sync=ring's parameters after four steps, bitwise, on every rank."""
+    for got in through_the_sync:
+        c = got[case]
+        assert c["same_as_ring"], case
+        assert c["stats"]["steps"] == 4
+        assert c["stats"]["compressing"] == (not case.endswith("before start"))
+        # what went on the wire is the whole gradient
+        assert c["stats"]["elements_per_step"] == c["stats"]["gradient_elements"] == c["numel"]
+
+
+@pytest.mark.timeout(90)
+def test_powersgd_through_the_sync_sends_rows_plus_cols_times_r(through_the_sync):
+    """r = 1, minimum rate 1: (rows + cols) per weight matrix, the biases whole; the Recorder's
+    bytes are 4 per element (fp32 P, Q and biases; a ring all-reduce at N = 2 sends its payload
+    once), bucket by bucket summing to the sync's bytes_per_step."""
+    for got in through_the_sync:
+        c = got["powersgd r=1"]
+        s = c["stats"]
+        assert not c["same_as_ring"] and s["compressing"]
+        assert s["elements_per_step"] == sum(s["bucket_elements"]) == c["expected_elements"]
+        assert s["bucket_bytes_sent"] == [4 * e for e in s["bucket_elements"]]
+        assert sum(s["bucket_bytes_sent"]) == c["bytes_per_step"]
+        assert s["gradient_elements"] == c["numel"] and len(s["bucket_compress_ms"]) == len(
+            c["bucket_numels"])
+        # torch's compression_stats, over the four steps
+        assert (s["numel_before"], s["numel_after"]) == (4 * c["numel"], 4 * c["expected_elements"])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["topk 10%", "topk 10% tree"])
+def test_topk_through_the_sync_sends_2k_per_bucket(case, through_the_sync):
+    """k = ceil(n / 10) values and k int32 indices per bucket where 2k < n, else the bucket whole;
+    4 bytes each. At N = 2 the ring's all-gather sends this rank's piece once; the tree's sends
+    rank 1's piece to rank 0, which sends the whole (both pieces) back: 8 bytes an element there."""
+    for rank, got in enumerate(through_the_sync):
+        c = got[case]
+        s = c["stats"]
+        want = [2 * math.ceil(n / 10) if 2 * math.ceil(n / 10) < n else n
+                for n in c["bucket_numels"]]
+        assert s["bucket_elements"] == want and s["elements_per_step"] == sum(want)
+        per_element = 8 if case.endswith("tree") and rank == 0 else 4
+        assert s["bucket_bytes_sent"] == [per_element * e for e in want]
+        assert sum(s["bucket_bytes_sent"]) == c["bytes_per_step"]
+        if case.endswith("tree"):  # an all-gather moves values, adding none; at N = 2 the
+            assert c["same_as_ring_topk"]  # dense buckets' a + b is b + a: ring's, bitwise
+
+
+def _state(sync) -> dict:
+    """The sync's compression state, flattened to {"feedback.3": tensor, ...}, copied."""
+    c = sync.state_dict()["compressor"]
+    return {f"{part}.{b}": t.clone() for part in ("feedback", "qs")
+            for b, t in c.get(part, {}).items()}
+
+
+def _planted(rank, n, keys, bad):
+    """Two steps with a GradScaler (init scale 1024, as fp16 runs it) and compression on (`keys`);
+    in the second, rank 0 plants `bad` in one gradient element before the sync. Returns whether
+    this rank's averaged gradients hold a non-finite value, the scale after, whether the
+    parameters moved, and whether the poisoned bucket's error buffer and Q are as they were and
+    every kept tensor finite."""
+    model = make_model(0)
+    sync = make_sync(scfg(overlap=False, **keys), n)  # (no hooks: the plant lands before the sync)
+    sync.prepare(model)
+    opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.1, momentum=0.9))
+    scaler = sync.grad_scaler(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    poisoned = model[0].weight  # the first parameter: in the (reversed) buckets' last
+    for step in (1, 2):
+        if step == 2:
+            kept_before = _state(sync)
+            before = [p.detach().clone() for p in model.parameters()]
+        x, y = batch(rank, step, 0)
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        if step == 2 and rank == 0:
+            poisoned.grad.view(-1)[-1] = bad
+        sync.finish()
+        nonfinite = any(not torch.isfinite(p.grad).all() for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    kept = _state(sync)
+    bucket = [k for k in kept if k.endswith(f".{sync._bucket_of[poisoned]}")]
+    sync.close()
+    return {"nonfinite": nonfinite, "scale": scaler.get_scale(),
+            "moved": not _bitwise(before, [p.detach() for p in model.parameters()]),
+            "bucket_kept_as_was": bool(bucket) and all(torch.equal(kept[k], kept_before[k])
+                                                        for k in bucket),
+            "all_finite": all(bool(torch.isfinite(t).all()) for t in kept.values())}
+
+
+@pytest.mark.timeout(60)
+def test_a_nonfinite_step_is_skipped_everywhere_and_keeps_the_error_buffers():
+    """An inf, and a NaN, in one element of rank 0's gradient: after PowerSGD (it reaches P = M Q
+    and so every rank's average) and after top-k (the largest |value|: always among what rank 0
+    sends) every rank holds it, so the GradScaler skips the step on every rank and halves its
+    scale; the poisoned bucket's error buffer and Q are last step's, and nothing kept is
+    non-finite."""
+    for got in spawn(_planted_cases, 2, timeout=50):
+        for case, r in got.items():
+            assert r == {"nonfinite": True, "scale": 512.0, "moved": False,
+                         "bucket_kept_as_was": True, "all_finite": True}, case
+
+
+def _planted_cases(rank, n):
+    return {f"{keys['compress']} {bad}": _planted(rank, n, keys, bad)
+            for keys in (dict(compress="powersgd", compress_rank=1),
+                         dict(compress="topk", topk_fraction=0.1))
+            for bad in (float("inf"), float("nan"))}
+
+
+# ---- stop and resume, launched: rank 0's checkpoint.pt holds every rank's compression state ----
+
+# PowerSGD from step 2 of 6 (3 per epoch), with error feedback: the stop at step 4 falls mid-epoch
+# and mid-compression, with error buffers, Q and the seeds' position all in use.
+COMPRESSED = RESUME + ["sync=ring", "sync.compress=powersgd", "sync.compress_rank=1",
+                       "sync.compress_start=2"]
+
+
+@background(cost=lambda run: 6 if run == "straight" else 12, keys=("straight", "resumed"))
+def compressed_runs(run, run_dir):
+    """"straight": the 6 steps through; "resumed": stopped at step 4, checkpointing every 2 steps,
+    then the same command again. The run dir, and the stopped run's checkpoint."""
+    every = ["train.checkpoint_every=6"] if run == "straight" else ["train.checkpoint_every=2"]
+    stopped = None
+    if run == "resumed":
+        check(ranks(COMPRESSED + every + ["train.stop_at_step=4", f"hydra.run.dir={run_dir}"]))
+        stopped = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    check(ranks(COMPRESSED + every + [f"hydra.run.dir={run_dir}"]))
+    return run_dir, stopped
+
+
+@pytest.mark.timeout(300)
+def test_stop_and_resume_with_compression_equals_the_run_straight_through(compressed_runs):
+    straight, _ = compressed_runs["straight"]
+    resumed, stopped = compressed_runs["resumed"]
+    assert [s["steps"] for s in stopped["sync"]] == [4, 4]  # every rank's, rank order
+    feedback = [s["compressor"]["feedback"] for s in stopped["sync"]]
+    assert feedback[0].keys() == feedback[1].keys() and feedback[0]  # one per bucket
+    assert not all(torch.equal(feedback[0][b], feedback[1][b]) for b in feedback[0])  # per rank
+    assert f"resumed from {resumed}/checkpoint.pt at step 4" in train_log(resumed)
+    assert summary(resumed)["comm"]["compression"]["compressing"]
+    assert_same_training_state(resumed, straight)
