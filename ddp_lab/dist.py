@@ -202,6 +202,22 @@ def env_ranks() -> tuple[int, int, int, int]:
     return rank, local_rank, world_size, local_world_size
 
 
+@contextlib.contextmanager
+def launched_as(world_size: int):
+    """torchrun's variables, as on one node of `world_size` ranks, while the block runs: what
+    reads the world from them (env_ranks: the training checks) sees that world (the dry run)."""
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
 

@@ -55,7 +55,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddp_lab import buckets, comm, provenance
 from ddp_lab.config import Config, validate
-from ddp_lab.dist import DistInfo, destroy_group, node_layout, nodes_as, set_nodes
+from ddp_lab.dist import DistInfo, destroy_group, launched_as, node_layout, nodes_as, set_nodes
 from ddp_lab.dtypes import element_size
 from ddp_lab.errors import ConfigError
 from ddp_lab.keys import check_keys, key, text
@@ -121,6 +121,10 @@ def check_layout(cfg) -> list[int]:
         raise ConfigError(f"sync={name}: the dry run counts the messages of our collectives, "
                           f"sync={'|'.join(comm.OURS)}; DDP's go through torch's C++ reducer")
     node_layout(node_size(cfg), None, n, n)  # refuses nodes that do not divide the world
+    if cfg.sync.compress in ("powersgd", "topk"):
+        raise ConfigError(f"sync.compress={cfg.sync.compress}: the dry run checks bytes against "
+                          "comm.cost(), which prices uncompressed collectives; a training run "
+                          "counts compressed ones (summary.json's comm.compression)")
     if cfg.sync.zero == 3:
         raise ConfigError("sync.zero=3: the dry run steps a sync's finish() and gather_params(); "
                           "ZeRO-3 gathers inside forward and backward, which it does not run "
@@ -199,7 +203,7 @@ def dry_run(cfg, progress: bool = False) -> dict:
     """Check `cfg` (composed from conf/dry_run.yaml), run its ranks, return dry_run.json's dict."""
     if cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size} must be >= 1")
-    with _launched_as(cfg.world_size):
+    with launched_as(cfg.world_size):
         validate(cfg)  # the training keys, as ddp_lab.train checks them on world_size ranks
     check_keys(cfg, DryRunConfig)
     cfg = OmegaConf.to_object(cfg)  # plain dataclasses: read per rank, a DictConfig costs ~1 ms
@@ -220,19 +224,6 @@ def dry_run(cfg, progress: bool = False) -> dict:
             print(f"dry run: {i + 1}/{len(ranks)} ranks, {spent:.0f} s, about "
                   f"{spent * (len(ranks) / (i + 1) - 1):.0f} s left", file=sys.stderr, flush=True)
     return summarize(cfg, plan, rows, time.perf_counter() - start)
-
-
-@contextlib.contextmanager
-def _launched_as(world_size: int):
-    """torchrun's variables, as on one node of `world_size` ranks, while the block runs: the
-    training checks read the world from them (ddp_lab.dist.env_ranks)."""
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def _model(cfg):

@@ -106,6 +106,7 @@ def test_naive_root_scratch_over_the_device_is_refused_with_the_arithmetic():
     (["sync=hring", "dist.node_size=3"], "dist.node_size=3 does not divide the world size 8"),
     (["dist.node_size=4", "dist.link.gbps=10"], "dist.link delays messages, and the dry run"),
     (["sync.zero=3"], "sync.zero=3: the dry run steps a sync's finish() and gather_params()"),
+    (["sync.compress=powersgd"], "sync.compress=powersgd: the dry run checks bytes against"),
     # AlexNet (61.1 M parameters, 0.24 GB in fp32) with SGD's momentum, unsharded
     (["model=alexnet", "dry_run.device_gb=0.5"],
      "rank 0 would hold 0.99 GB > dry_run.device_gb=0.5: params 0.24 + grads 0.24 + optimizer "
