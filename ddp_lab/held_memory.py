@@ -10,7 +10,7 @@ from ddp_lab.comm import kept_scratch
 from ddp_lab.sync.base import local_tensor
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_state_bytes", "comm_buffer_bytes",
-               "comm_scratch_bytes")
+               "comm_scratch_bytes", "compress_state_bytes")
 # Where it is counted: after the first optimizer step (its state just made, every gradient still
 # there); at the end of the next step's first backward (every gradient made); and inside that
 # next step, each time the sync is about to release memory (`GradSync.held_probe`: ZeRO frees a
@@ -23,7 +23,7 @@ POINTS = ("after_optimizer", "after_backward", "in_step")
 class HeldMemory:
     """Bytes this rank holds at each of POINTS, counted from tensor storages: a storage shared by
     several tensors (views into one flat buffer) counted once, in the first of parameters,
-    gradients, optimizer state, the sync's buffers, its receive scratch. Parameters: the model's
+    gradients, optimizer state, the sync's buffers, its receive scratch, what compression keeps. Parameters: the model's
     and the optimizer's (with ZeRO-3, the shards it keeps apart). Gradients: the `.grad` of both,
     and those the sync keeps between steps (with ZeRO, its shards')."""
 
@@ -60,7 +60,7 @@ class HeldMemory:
         opt = getattr(self.optimizer, "optim", self.optimizer)  # ZeroRedundancyOptimizer: its part
         params = list(self.model.parameters())
         optimized = [p for g in opt.param_groups for p in g["params"]]
-        buffers = self.sync.comm_buffers()
+        buffers, compressed = self.sync.comm_buffers(), self.sync.compress_state()
         seen: set = set()
         return {
             "params_bytes": _storage_bytes(params + optimized, seen),
@@ -70,7 +70,9 @@ class HeldMemory:
                 [v for s in opt.state.values() for v in s.values()], seen),
             "comm_buffer_bytes": None if buffers is None else _storage_bytes(buffers, seen),
             "comm_scratch_bytes": None if buffers is None else _storage_bytes(kept_scratch(),
-                                                                              seen)}
+                                                                              seen),
+            "compress_state_bytes": None if compressed is None else _storage_bytes(compressed,
+                                                                                   seen)}
 
 
 def total(counts: dict) -> int:

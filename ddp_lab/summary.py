@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ddp_lab import trace
 from ddp_lab.comm import scratch_numel
 from ddp_lab.held_memory import MEMORY_KEYS, POINTS, total
-from ddp_lab.perf.memory import predict_held
+from ddp_lab.perf.memory import compress_state_numel, predict_held
 from ddp_lab.dtypes import element_size
 from ddp_lab.metrics import with_exposed_comm
 from ddp_lab.optim import state_tensors
@@ -95,7 +95,9 @@ def memory_block(run) -> dict:
     units = unit_numels(run.parts.model) if s.zero == 3 else None
     predicted = [predict_held(numels, info.world_size, r, s.name, s.zero, states, s.bucket_mb,
                               element_size(wire_dtype(s)), s.overlap, scratch_numel, units=units,
-                              reshard_after_forward=s.reshard_after_forward)
+                              reshard_after_forward=s.reshard_after_forward,
+                              compress_numel=_compress_numel(run.parts.sync, s,
+                                                             run.length.start_step))
                  for r in range(info.world_size)]
     by_rank = lambda rows, k: [None if row is None else row[k] for row in rows]
     counted = [None if k is None else p[k] for p, k in zip(every, peak)]
@@ -106,6 +108,19 @@ def memory_block(run) -> dict:
             "excess_bytes": [None if c is None else total(c) - total(p)
                              for c, p in zip(counted, predicted)],
             "zero": s.zero}
+
+
+def _compress_numel(sync, s, start_step: int) -> int | None:
+    """What compression should keep at the counted points (held_memory.POINTS: this run's first
+    step's end, its second's backward): nothing unless that first step compressed (it follows
+    `start_step` steps, sync.compress_start the uncompressed ones); None where torch's PowerSGD
+    hook keeps it (sync=ddp: not counted)."""
+    if s.compress not in ("powersgd", "topk") or start_step < s.compress_start:
+        return 0
+    if s.name == "ddp":
+        return None
+    return compress_state_numel([[p.shape for p in b.params] for b in sync.buckets], s.compress,
+                                s.compress_rank, s.min_compression_rate, s.error_feedback)
 
 
 def _gather_floats(value: float, device) -> list[float]:

@@ -65,10 +65,23 @@ def _through_the_sync(rank, n):
                      "same_as_ring_topk": _bitwise(params, ring_topk),
                      "stats": stats["compression"], "bytes_per_step": stats["bytes_per_step"],
                      "bucket_numels": [b.numel for b in sync.buckets],
+                     "kept": _kept(sync, scfg(**keys)),
                      "expected_elements": expected_elements(model, 1, 1.0),
                      "numel": sum(p.numel() for p in model.parameters())}
         sync.close()
     return out
+
+
+def _kept(sync, s) -> tuple[int, int]:
+    """(bytes of what the compressor keeps, counted from storages as summary.json's memory block
+    counts them; perf.memory's prediction of them)."""
+    from ddp_lab.held_memory import _storage_bytes
+    from ddp_lab.perf.memory import compress_state_numel
+
+    shapes = [[p.shape for p in b.params] for b in sync.buckets]
+    return (_storage_bytes(sync.compress_state(), set()),
+            4 * compress_state_numel(shapes, s.compress, s.compress_rank, s.min_compression_rate,
+                                     s.error_feedback) if s.compress != "none" else 0)
 
 
 def _bitwise(a, b) -> bool:
@@ -112,6 +125,20 @@ def test_powersgd_through_the_sync_sends_rows_plus_cols_times_r(through_the_sync
             c["bucket_numels"])
         # torch's compression_stats, over the four steps
         assert (s["numel_before"], s["numel_after"]) == (4 * c["numel"], 4 * c["expected_elements"])
+
+
+def test_what_compression_keeps_is_counted_as_perf_memory_predicts(through_the_sync):
+    """summary.json's compress_state_bytes: error feedback keeps every bucket whole (4 B an
+    element), PowerSGD each compressed matrix's Q as well; nothing kept before compress_start."""
+    for got in through_the_sync:
+        for case in ("powersgd r=1", "topk 10%", "topk 10% tree"):
+            counted, predicted = got[case]["kept"]
+            assert counted == predicted > 0, case
+        # rank 64, no error feedback: no matrix worth compressing, so no Q either
+        assert got["powersgd full rank"]["kept"] == (0, 0)
+        assert got["topk 10%"]["kept"][0] == 4 * got["topk 10%"]["numel"]  # the buckets, whole
+        assert got["powersgd r=1"]["kept"][0] > 4 * got["powersgd r=1"]["numel"]  # + the Qs
+        assert got["powersgd before start"]["kept"][0] == got["topk before start"]["kept"][0] == 0
 
 
 @pytest.mark.timeout(90)
@@ -226,4 +253,10 @@ def test_stop_and_resume_with_compression_equals_the_run_straight_through(compre
     assert not all(torch.equal(feedback[0][b], feedback[1][b]) for b in feedback[0])  # per rank
     assert f"resumed from {resumed}/checkpoint.pt at step 4" in train_log(resumed)
     assert summary(resumed)["comm"]["compression"]["compressing"]
+    # the memory block: the resumed run's first step compressed (its state held and predicted),
+    # the straight run's did not yet (compress_start=2: nothing at its counted points)
+    for run_dir, held in ((resumed, True), (straight, False)):
+        memory = summary(run_dir)["memory"]
+        counted, predicted = memory["compress_state_bytes"], memory["predicted"]["compress_state_bytes"]
+        assert counted == predicted and (counted[0] > 0) == held, (run_dir, counted, predicted)
     assert_same_training_state(resumed, straight)

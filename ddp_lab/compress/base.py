@@ -32,6 +32,10 @@ class Compressor:
     def reduce(self, key: int, flat: torch.Tensor, shapes: list[torch.Size], ops: Ops) -> None:
         raise NotImplementedError
 
+    def kept(self) -> list[torch.Tensor]:
+        """The tensors kept from one step to the next (error feedback's; PowerSGD's Q)."""
+        return list(self.feedback.kept.values())
+
     def state_dict(self) -> dict:
         raise NotImplementedError
 

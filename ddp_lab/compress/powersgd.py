@@ -120,6 +120,9 @@ class PowerSGD(Compressor):
             _orthogonalize(q.unsqueeze(0))
         return qs, q_flat
 
+    def kept(self) -> list[torch.Tensor]:
+        return super().kept() + list(self.qs.values())
+
     def state_dict(self) -> dict:
         return {"feedback": self.feedback.state_dict(),
                 "qs": {str(k): v for k, v in self.qs.items()},

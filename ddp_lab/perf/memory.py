@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_lab import buckets
+from ddp_lab.compress.powersgd import should_compress
 
 GB = 1e9
 
@@ -256,7 +257,8 @@ def predict_training_memory(model: nn.Module, batch: int, image_size: int, preci
 def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, zero: int,
                  states: int, bucket_mb: float, comm_elem: int, overlap: bool,
                  scratch_numel: Callable | None = None, elem: int = 4,
-                 units: Sequence[int] | None = None, reshard_after_forward: bool = True) -> dict:
+                 units: Sequence[int] | None = None, reshard_after_forward: bool = True,
+                 compress_numel: int | None = 0) -> dict:
     """The most rank `rank` of a ddp_lab run should hold in a step, by design (fp32 parameters:
     precision=bf16|fp16 autocasts, it does not store 16-bit copies): parameters of `numels`
     elements (registration order), `states` optimizer tensors per element, on `world_size` ranks.
@@ -275,17 +277,21 @@ def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, z
       fsdp: torch's fully_shard: parameters, gradients and state P/N each (every parameter's
         dim 0 cut in N, the last piece padded); its gathered units and reduce buffers are its own
         (None: not counted).
-    AdamW's step counters (4 B per tensor) are left out."""
+    Compression's kept state: `compress_numel` elements of the buckets' dtype (None: not
+    counted). AdamW's step counters (4 B per tensor) are left out."""
     n, p = world_size, sum(numels) * elem
+    compressed = None if compress_numel is None else compress_numel * comm_elem
     if sync == "fsdp":
         return {"params_bytes": p / n, "grads_bytes": p / n, "optimizer_state_bytes": states * p / n,
-                "comm_buffer_bytes": None, "comm_scratch_bytes": None}
+                "comm_buffer_bytes": None, "comm_scratch_bytes": None,
+                "compress_state_bytes": compressed}
     sharded = zero >= 1
     state = states * p / (n if sharded else 1)
     if sync in ("ddp", "none"):
         return {"params_bytes": p, "grads_bytes": p, "optimizer_state_bytes": state,
                 "comm_buffer_bytes": None if sync == "ddp" else 0,
-                "comm_scratch_bytes": None if sync == "ddp" else 0}
+                "comm_scratch_bytes": None if sync == "ddp" else 0,
+                "compress_state_bytes": compressed}
     sizes = list(units)[::-1] if zero == 3 else [  # backward's order, as the sync cuts them
         sum(numels[::-1][i] for i in g)
         for g in buckets.plan([k * comm_elem for k in numels[::-1]], bucket_mb, "ours")]
@@ -300,7 +306,24 @@ def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, z
             "comm_buffer_bytes": sum(sorted(sizes)[-buckets.IN_FLIGHT:] if zero >= 2 else sizes)
             * comm_elem,
             "comm_scratch_bytes": max(reduce, gather) if one_thread and comm_elem == elem
-            else reduce + gather}
+            else reduce + gather,
+            "compress_state_bytes": compressed}
+
+
+def compress_state_numel(bucket_shapes: Sequence[Sequence[tuple]], compress: str, rank: int,
+                         min_rate: float, error_feedback: bool) -> int:
+    """Elements a compressor keeps from step to step, by design (ddp_lab/compress): with error
+    feedback each bucket's own; PowerSGD also each compressed matrix's Q, cols x r (torch's rule
+    for which matrices: `should_compress`). `bucket_shapes`: each bucket's parameter shapes."""
+    kept = 0
+    for shapes in bucket_shapes:
+        kept += sum(math.prod(s) for s in shapes) if error_feedback else 0
+        for shape in shapes if compress == "powersgd" else ():
+            rows = shape[0] if len(shape) else 1
+            cols = math.prod(shape) // max(rows, 1)
+            r = min(rows, cols, rank)
+            kept += cols * r if should_compress(rows, cols, r, min_rate) else 0
+    return kept
 
 
 def _in_step(sizes: Sequence[int], n: int, zero: int, overlap: bool,

@@ -112,6 +112,11 @@ class GradSync:
         where they cannot be counted."""
         return []
 
+    def compress_state(self) -> list[torch.Tensor] | None:
+        """What gradient compression keeps between steps (error feedback, PowerSGD's Q), for the
+        memory count; None where it cannot be counted."""
+        return []
+
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t`: a DTensor's local shard (sync=fsdp), any other tensor itself."""

@@ -346,6 +346,9 @@ class BucketedSync(GradSync):
     def comm_buffers(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.buckets]
 
+    def compress_state(self) -> list[torch.Tensor]:
+        return self.compression.compressor.kept() if self.compression else []
+
     def state_dict(self) -> dict:
         return self.compression.state_dict() if self.compression else {}
 

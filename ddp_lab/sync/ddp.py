@@ -194,6 +194,9 @@ class DDPSync(GradSync):
     def comm_buffers(self):
         return None  # DDP's buckets live inside its C++ reducer: not counted
 
+    def compress_state(self):
+        return None if self.powersgd is not None else []  # torch's hook keeps it: not counted
+
     # ---- checkpoints at sync.zero=1: each rank writes the state of the parameters it updates ----
 
     def state_shards(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
