@@ -27,9 +27,9 @@ def backward(model, poison=None):
     loss.backward()
     if poison in ("grad", "grad_inf"):
         model[1].bias.grad[0] = float("nan" if poison == "grad" else "-inf")
-    if poison == "overflow":  # huge but finite gradients, each tensor's L1 norm finite: applied
-        model[0].weight.grad.fill_(2e37)
-        model[1].weight.grad.fill_(2e37)
+    if poison == "overflow":  # huge but finite gradients, each tensor's L2 norm finite (12 and
+        model[0].weight.grad.fill_(1e18)  # 6 squares of 1e36, under fp32's 3.4e38): applied
+        model[1].weight.grad.fill_(1e18)
     if poison == "loss":
         loss = loss.detach() * float("inf")
     return loss
@@ -70,8 +70,9 @@ def test_flags_name_what_was_not_finite_and_a_flagged_step_changes_nothing(poiso
 
 
 def test_finite_values_whose_sum_overflows_are_skipped_too():
-    """The check reads each gradient's L1 norm (one read pass): where finite values sum past
-    fp32's range the norm is inf and the step is skipped, like a step with an inf."""
+    """The check reads each gradient's L2 norm (one read pass): where finite values' squares sum
+    past fp32's range (3.4e38: here 2 x (3e38)^2) the norm is inf and the step is skipped, like a
+    step with an inf."""
     model, opt, guard = setup()
     backward(model)
     guard.after_sync(1, torch.tensor(1.0), opt)
