@@ -292,8 +292,8 @@ def check_traces(traces: list[dict], n: int) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, *(  # 5, 7: the full suite only (6, an
-    pytest.param(n, marks=pytest.mark.slow) for n in (5, 7))])  # even non-power, as 2x3 in hring)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, *(  # 5: the full suite only (6 and 7 cost
+    pytest.param(n, marks=pytest.mark.slow) for n in (5,))])  # 18 s more, what 3 and 5 test)
 def test_every_algorithm_matches_dist_all_reduce(world_size):
     """numel 0, 1, < N, prime, multi-dim; four float dtypes; bitwise on integer data, within the
     native all-reduce's own error on real data; schedules and bytes as documented."""

@@ -248,8 +248,8 @@ def check_traces(traces: list[dict], n: int) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4] + [  # 5, 7: 8-16 s each on 2 cores (6,
-    pytest.param(n, marks=pytest.mark.slow) for n in (5, 7)])  # even non-power: 2x3 in hring)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4] + [  # 5: 8 s on 2 cores (6 and 7 cost 27
+    pytest.param(n, marks=pytest.mark.slow) for n in (5,)])  # s more, what 3 and 5 test)
 def test_reduce_scatter_and_all_gather_match_native(world_size):
     """numel 0, 1, < N, prime, multi-dim; four float dtypes; outputs apart from or inside the
     input; bitwise against the native reference on integer data; schedules and bytes as
