@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from ddp_lab import checkpoint, provenance, sharded_checkpoint
+from ddp_lab import checkpoint, provenance, resume
 from ddp_lab.cli import run_hydra_app, setup_logging
 from ddp_lab.config import Config, check_steps_reachable, validate
 from ddp_lab.held_memory import HeldMemory
@@ -37,13 +37,12 @@ from ddp_lab.dist import DistInfo, destroy_group, init_group
 from ddp_lab.hangs import Heartbeat, collective_errors
 from ddp_lab.fault import Faults
 from ddp_lab.graph import EAGER_CALLS, GraphedTrainStep, check_supported
-from ddp_lab.guard import Guard, assert_finite
+from ddp_lab.guard import Guard
 from ddp_lab.metrics import NullLogger, StepTimer, make_logger, medians, with_exposed_comm
-from ddp_lab.optim import build_scheduler, float_lrs
+from ddp_lab.optim import build_scheduler
 from ddp_lab.step import (Parts, TrainStep, build_parts, build_step, compiled_graphs,
                           time_local_backward)
 from ddp_lab.summary import write_summary
-from ddp_lab.sync.config import shards_state
 from ddp_lab.trace import Tracer
 
 log = logging.getLogger("ddp_lab")
@@ -151,8 +150,7 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     there is one. `closing` is shut before the process group goes."""
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     # Before anything is written: a run dir of another config is refused untouched.
-    resume = sharded_checkpoint.resume if shards_state(cfg.sync) else checkpoint.resume
-    resumed = resume(cfg_dict, run_dir, cfg.train.resume, info.world_size, log.warning)
+    resumed = resume.find(cfg, cfg_dict, run_dir, info.world_size)
     cfg = OmegaConf.to_object(cfg)
     ctx = RunContext(cfg, cfg_dict, run_dir, info, heartbeat)
     data = build_data(cfg, info.rank, info.world_size, info.device)
@@ -167,11 +165,10 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
                                 length.steps_per_epoch)
     if resumed is not None:
         with parts.sync.unsharded():  # ZeRO-3: the whole model, to load it
-            restore(parts, scheduler, resumed, info, length, cfg.train.accum_steps)
+            resume.restore(parts, scheduler, resumed, info, length.steps_per_epoch,
+                           cfg.train.accum_steps)
     if info.is_main:  # (after restore: a checkpoint it refuses leaves the run dir untouched)
-        for stale in (checkpoint.clean_stale_temporaries(run_dir)
-                      + sharded_checkpoint.clean_stale_temporaries(run_dir)):
-            log.warning("removed stale temporary %s", stale)
+        resume.clean_stale(run_dir)
     guard = Guard(cfg.train, info, parts.model, parts.precision.scaler, length.total_steps,
                   parts.sync.unsharded)
     faults = Faults(cfg.fault, info.rank, info.world_size, parts.model)
@@ -213,24 +210,6 @@ def _make_tracer(tcfg, device: torch.device, length: Length, warmup: int) -> Tra
         return None
     first = length.start_step + warmup + 1
     return Tracer(device, first, min(length.stop_step, first + tcfg.trace_steps - 1))
-
-
-def restore(parts: Parts, scheduler, resumed: dict, info: DistInfo, length: Length,
-            accum_steps: int) -> None:
-    """Continue from a checkpoint: weights, optimizer, schedule, loss scale, every RNG."""
-    checkpoint.check_position(resumed, length.steps_per_epoch, accum_steps)
-    if "layout" in resumed:  # sharded: each rank reads its part, at any world size
-        sharded_checkpoint.load(resumed, parts.sync, parts.model, parts.optimizer)
-    else:
-        parts.model.load_state_dict(resumed["model"])
-        parts.optimizer.load_state_dict(resumed["optimizer"])
-        if "sync" in resumed:  # sync.compress: this rank's error buffers, Q, step count
-            parts.sync.load_state_dict(resumed["sync"][info.rank])
-    scheduler.load_state_dict(resumed["scheduler"])
-    parts.precision.scaler.load_state_dict(resumed["scaler"])
-    if info.rank < len(resumed["rng"]):  # (a rank the writing run did not have keeps its seed)
-        checkpoint.set_rng_state(resumed["rng"][info.rank], info.device)
-    log.info("resumed from %s at step %d", resumed["path"], length.start_step)
 
 
 def record_run(run: Run) -> None:
@@ -327,7 +306,7 @@ def after_step(run: Run, progress: Progress, step: int, bar) -> bool:
     checked = run.guard.end_step(step, sync_point=log_now or checkpoint_now)
     if checkpoint_now:
         with run.parts.sync.unsharded():  # ZeRO-3: the whole model, gathered, for rank 0 to save
-            save_checkpoint(run, step)
+            resume.save(run.ctx, run.parts, run.scheduler, run.length.steps_per_epoch, step)
     return log_now or eval_now or checkpoint_now or checked
 
 
@@ -377,33 +356,6 @@ def evaluate(run: Run, progress: Progress, step: int) -> None:
     run.rec.logger.log(step, {"val/loss": progress.val_loss, "val/accuracy": progress.val_accuracy})
     log.info("step %d epoch %.1f: val loss %.4f, accuracy %.4f", step,
              step / run.length.steps_per_epoch, progress.val_loss, progress.val_accuracy)
-
-
-def save_checkpoint(run: Run, step: int) -> None:
-    """Everything the next step depends on: rank 0 writes checkpoint.pt, or where each rank holds
-    a part (ZeRO, FSDP) each writes its own shards. Every rank waits until it is on disk."""
-    parts, ctx = run.parts, run.ctx
-    assert_finite(parts.model, parts.optimizer, step)  # a NaN never reaches a checkpoint
-    rng = checkpoint.gather_rng_states(ctx.info.device)
-    sync_states = [] if shards_state(ctx.cfg.sync) else checkpoint.gather_sync_states(parts.sync)
-    sharded, n = shards_state(ctx.cfg.sync), ctx.info.world_size
-    spe, accum = run.length.steps_per_epoch, ctx.cfg.train.accum_steps
-    state = {"scaler": parts.precision.scaler.state_dict(), "step": step,
-             "epoch": step // spe, "epoch_batch": (step % spe) * accum, "rng": rng,
-             "config_digest": checkpoint.config_digest(ctx.cfg_dict, n, sharded),
-             "world_size": n, "resume_config": checkpoint.resume_config(ctx.cfg_dict, n, sharded)}
-    if sharded:  # the optimizer's tensors go in the shards, its hyperparameters here
-        state |= float_lrs(parts.optimizer, run.scheduler,
-                           {"param_groups": sharded_checkpoint.hyperparameters(parts.optimizer)})
-        paths = [sharded_checkpoint.save(parts.sync, parts.model, parts.optimizer, state,
-                                         ctx.run_dir, step, ctx.cfg.train.keep_every)]
-    elif ctx.info.is_main:
-        state |= {"model": parts.model.state_dict(), **float_lrs(parts.optimizer, run.scheduler),
-                  **({"sync": sync_states} if sync_states else {})}
-        paths = checkpoint.save(state, ctx.run_dir, step, ctx.cfg.train.keep_every)
-    if ctx.info.is_main:
-        log.info("step %d: checkpoint saved (%s)", step, ", ".join(map(os.path.basename, paths)))
-    dist.barrier()  # nobody runs ahead of a checkpoint that is not on disk yet
 
 
 def main() -> None:

@@ -75,7 +75,7 @@ class GradSync:
     def state_dict(self) -> dict:
         """What this rank's sync keeps from step to step beside the model and the optimizer
         (compression's error buffers, PowerSGD's Q: sync/compressed.py); {} where nothing. Rank 0's
-        checkpoint.pt holds every rank's (ddp_lab/train.py)."""
+        checkpoint.pt holds every rank's (ddp_lab/resume.py)."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:

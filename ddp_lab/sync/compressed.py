@@ -28,7 +28,7 @@ rate.
 
 Checkpoints: `state_dict()` (the compressor's error buffers, PowerSGD's Q and its seeds'
 position, the step count) is per rank: error buffers differ between ranks. Rank 0's
-checkpoint.pt holds every rank's (ddp_lab/train.py's save_checkpoint).
+checkpoint.pt holds every rank's (ddp_lab/resume.py's save).
 """
 
 from __future__ import annotations
