@@ -1,5 +1,6 @@
-"""Measurement and logging: a step timer with a per-phase breakdown, and a rank-0 logger that
-writes TensorBoard events and metrics.jsonl (a null object on every other rank).
+"""Measurement and logging: a step timer with a per-phase breakdown, a rank-0 logger that writes
+TensorBoard events and metrics.jsonl (a null object on every other rank), and `time_fn`, the
+honest timing of a call every benchmark and the sweep's calibration share.
 
 Metric names follow `group/name_unit` (`time/backward_ms`, `throughput/img_per_s`).
 """
@@ -12,6 +13,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -166,3 +168,34 @@ class RunLogger(NullLogger):
 
 def make_logger(run_dir: str, is_main: bool) -> NullLogger:
     return RunLogger(run_dir) if is_main else NullLogger()
+
+
+def time_fn(fn: Callable[[], object], device: torch.device | str, warmup: int = 3,
+            iters: int = 10, min_seconds: float = 0.0, inner: int = 1) -> float:
+    """Median seconds per call of fn() after `warmup` calls; at least `iters` timed calls (more
+    until `min_seconds` of timed work, for very fast calls).
+
+    `inner` > 1 times that many back-to-back calls per sample and divides: for calls of a few
+    microseconds, where one event pair (or clock pair) per call would mostly time launch latency."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # warm-up work must not leak into the first sample
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < iters or (time.perf_counter() - start < min_seconds and len(times) < 10_000):
+        if device.type == "cuda":
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            for _ in range(inner):
+                fn()
+            t1.record()
+            t1.synchronize()
+            times.append(t0.elapsed_time(t1) / 1e3 / inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)

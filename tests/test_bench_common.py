@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from ddp_lab.bench.common import plot_lines, time_fn
+from ddp_lab.bench.common import plot_lines
+from ddp_lab.metrics import time_fn
 from ddp_lab.perf.collectives import bus_bandwidth, cost
 from ddp_lab.tables import format_table, write_rows
 from background import background

@@ -45,7 +45,8 @@ from ddp_lab import comm
 from ddp_lab.dist import DistConfig, Nodes, destroy_group, init_group, link_off, nodes, print0
 from ddp_lab.perf.collectives import node_link_bytes
 from ddp_lab.perf.params import Link, emulated_network
-from ddp_lab.bench.common import entry, format_table, plot_lines, time_fn, write_rows
+from ddp_lab.bench.common import entry, format_table, plot_lines, write_rows
+from ddp_lab.metrics import time_fn
 from ddp_lab.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -1,48 +1,17 @@
-"""What every benchmark shares: honest timing, a printed table, rows written as JSON lines and CSV,
-and an optional PNG plot. A timing is a median over repeats after warm-up; on CUDA it is measured
-with events (no host clock around asynchronous work)."""
+"""What every benchmark shares: a training loop's back-to-back step times, a printed table, rows
+written as JSON lines and CSV, and an optional PNG plot. A call's timing is ddp_lab.metrics'
+`time_fn` (a median over repeats after warm-up; on CUDA measured with events, no host clock
+around asynchronous work), which the sweep's calibration shares."""
 
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from typing import Callable, Sequence
 
 import torch
 
 from ddp_lab.tables import format_table, write_rows
-
-
-def time_fn(fn: Callable[[], object], device: torch.device | str, warmup: int = 3,
-            iters: int = 10, min_seconds: float = 0.0, inner: int = 1) -> float:
-    """Median seconds per call of fn() after `warmup` calls; at least `iters` timed calls (more
-    until `min_seconds` of timed work, for very fast calls).
-
-    `inner` > 1 times that many back-to-back calls per sample and divides: for calls of a few
-    microseconds, where one event pair (or clock pair) per call would mostly time launch latency."""
-    device = torch.device(device)
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # warm-up work must not leak into the first sample
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < iters or (time.perf_counter() - start < min_seconds and len(times) < 10_000):
-        if device.type == "cuda":
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            for _ in range(inner):
-                fn()
-            t1.record()
-            t1.synchronize()
-            times.append(t0.elapsed_time(t1) / 1e3 / inner)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
 
 
 def back_to_back_ms(step: Callable[[], object], device: torch.device | str,

@@ -23,7 +23,8 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.common import (calls_per_sample, entry, plot_lines, report, resolve_device,
-                                  sync, time_fn, write_info)
+                                  sync, write_info)
+from ddp_lab.metrics import time_fn
 from ddp_lab.config import ConfigError
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import (entry, plot_lines, report, resolve_device, series_of, time_fn,
+from ddp_lab.bench.common import (entry, plot_lines, report, resolve_device, series_of,
                                   write_info)
+from ddp_lab.metrics import time_fn
 from ddp_lab.bench.vector_add import random_vector
 from ddp_lab.config import ConfigError
 

@@ -26,7 +26,8 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.common import (calls_per_sample, entry, plot_lines, report, resolve_device,
-                                  time_fn, write_info)
+                                  write_info)
+from ddp_lab.metrics import time_fn
 from ddp_lab.config import ConfigError
 
 

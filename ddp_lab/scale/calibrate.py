@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab.dist import destroy_group, init_group
-from ddp_lab.bench.common import time_fn
+from ddp_lab.metrics import time_fn
 from ddp_lab.perf.collectives import bus_bandwidth
 
 
