@@ -115,10 +115,12 @@ def _compress_numel(sync, s, start_step: int) -> int | None:
     step's end, its second's backward): nothing unless that first step compressed (it follows
     `start_step` steps, sync.compress_start the uncompressed ones); None where torch's PowerSGD
     hook keeps it (sync=ddp: not counted)."""
-    if s.compress not in ("powersgd", "topk") or start_step < s.compress_start:
+    if s.compress not in ("powersgd", "topk"):
         return 0
     if s.name == "ddp":
         return None
+    if start_step < s.compress_start:
+        return 0
     return compress_state_numel([[p.shape for p in b.params] for b in sync.buckets], s.compress,
                                 s.compress_rank, s.min_compression_rate, s.error_feedback)
 
