@@ -109,11 +109,6 @@ def node_size(cfg) -> int:
     return cfg.dist.node_size or cfg.world_size
 
 
-def model_cost(algo: str, op: str, nbytes: int, world_size: int, ranks_per_node: int):
-    """The performance model's cost of one collective (hring: on nodes of `ranks_per_node`)."""
-    return comm.cost(algo, nbytes, world_size, op=op, node_size=ranks_per_node)
-
-
 def check_layout(cfg) -> list[int]:
     """The ranks to run, after refusing a layout that cannot exist (nodes: node_size)."""
     n, name = cfg.world_size, cfg.sync.name
@@ -296,7 +291,7 @@ def _in_own_thread(fn):
 def summarize(cfg, plan: Plan, rows: list[dict], wall_s: float) -> dict:
     """dry_run.json: the counts, the model's figures beside them, and the per-rank rows."""
     n, s, g = cfg.world_size, cfg.sync, node_size(cfg)
-    costs = [model_cost(s.name, op, k * elem, n, g) for op, k, elem in plan.calls]
+    costs = [comm.cost(s.name, k * elem, n, op=op, node_size=g) for op, k, elem in plan.calls]
     busiest = max(rows, key=lambda r: r["bytes_sent"])
     grad_bytes = sum(plan.bucket_numels) * plan.comm_elem
     out = {"world_size": n, "sync": s.name, "zero": s.zero, "node_size": g,
