@@ -41,6 +41,16 @@ def should_compress(rows: int, cols: int, rank: int, min_rate: float) -> bool:
     return (rows + cols) * rank * min_rate < rows * cols
 
 
+def as_matrix(shape, rank: int, min_rate: float) -> tuple[int, int, int, bool]:
+    """(rows, cols, r, compress?) of a parameter of `shape`: its first dimension the rows, the
+    rest flattened into the columns; r capped by both; torch's rule for whether."""
+    numel = math.prod(shape)
+    rows = shape[0] if len(shape) else 1
+    cols = numel // max(rows, 1)
+    r = min(rows, cols, rank)
+    return rows, cols, r, should_compress(rows, cols, r, min_rate)
+
+
 @COMPRESSORS.register("powersgd")
 class PowerSGD(Compressor):
     def __init__(self, rank: int = 2, min_compression_rate: float = 2.0,
@@ -60,10 +70,8 @@ class PowerSGD(Compressor):
         mats, rest, off = [], [], 0
         for shape in shapes:
             numel = math.prod(shape)
-            rows = shape[0] if len(shape) else 1
-            piece, cols = flat[off:off + numel], numel // max(rows, 1)
-            r = min(rows, cols, self.rank)
-            compress = should_compress(rows, cols, r, self.min_rate)
+            rows, cols, r, compress = as_matrix(shape, self.rank, self.min_rate)
+            piece = flat[off:off + numel]
             self.numel_before += numel
             self.numel_after += (rows + cols) * r if compress else numel
             (mats.append((piece.view(rows, cols), r)) if compress else rest.append(piece))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_lab import buckets
-from ddp_lab.compress.powersgd import should_compress
+from ddp_lab.compress.powersgd import as_matrix
 
 GB = 1e9
 
@@ -313,16 +313,14 @@ def predict_held(numels: Sequence[int], world_size: int, rank: int, sync: str, z
 def compress_state_numel(bucket_shapes: Sequence[Sequence[tuple]], compress: str, rank: int,
                          min_rate: float, error_feedback: bool) -> int:
     """Elements a compressor keeps from step to step, by design (ddp_lab/compress): with error
-    feedback each bucket's own; PowerSGD also each compressed matrix's Q, cols x r (torch's rule
-    for which matrices: `should_compress`). `bucket_shapes`: each bucket's parameter shapes."""
+    feedback each bucket's own; PowerSGD also each compressed matrix's Q, cols x r (which
+    matrices, and their shapes: `as_matrix`, as PowerSGD cuts them). `bucket_shapes`: each bucket's parameter shapes."""
     kept = 0
     for shapes in bucket_shapes:
         kept += sum(math.prod(s) for s in shapes) if error_feedback else 0
         for shape in shapes if compress == "powersgd" else ():
-            rows = shape[0] if len(shape) else 1
-            cols = math.prod(shape) // max(rows, 1)
-            r = min(rows, cols, rank)
-            kept += cols * r if should_compress(rows, cols, r, min_rate) else 0
+            _, cols, r, compressed = as_matrix(shape, rank, min_rate)
+            kept += cols * r if compressed else 0
     return kept
 
 

@@ -37,6 +37,7 @@ import math
 import time
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from ddp_lab.comm.p2p import recording
 from ddp_lab.compress import COMPRESSORS, Ops
@@ -86,10 +87,10 @@ class CompressedBuckets:
     def state_dict(self) -> dict:
         """This rank's state, on the CPU (rank 0 gathers every rank's into checkpoint.pt)."""
         state = {"steps": self.steps, "compressor": self.compressor.state_dict()}
-        return _mapped(state, lambda t: t.cpu())
+        return tree_map_only(torch.Tensor, lambda t: t.cpu(), state)
 
     def load_state_dict(self, state: dict) -> None:
-        state = _mapped(state, lambda t: t.to(self.device))
+        state = tree_map_only(torch.Tensor, lambda t: t.to(self.device), state)
         self.compressor.load_state_dict(state["compressor"])
         self.steps = state["steps"]
 
@@ -134,10 +135,3 @@ class _Counting:
             self.seconds += time.perf_counter() - start
             return out
         return run
-
-
-def _mapped(state, fn):
-    """`state` (dicts of tensors and numbers) with `fn` applied to every tensor."""
-    if isinstance(state, dict):
-        return {k: _mapped(v, fn) for k, v in state.items()}
-    return fn(state) if isinstance(state, torch.Tensor) else state
