@@ -88,6 +88,11 @@ class Nodes:
         return self.latency_s > 0 or self.s_per_byte > 0
 
 
+def seconds_per_byte(gbps: float) -> float:
+    """A link of `gbps` Gb/s: the beta of alpha-beta, s per byte; 0 Gb/s: no bandwidth limit, 0."""
+    return 8 / (gbps * 1e9) if gbps else 0.0
+
+
 def node_layout(node_size: int, link, world_size: int, local_world_size: int) -> Nodes:
     """dist.node_size and dist.link (a LinkConfig, or None) on `world_size` ranks, checked."""
     size = node_size or local_world_size
@@ -98,7 +103,7 @@ def node_layout(node_size: int, link, world_size: int, local_world_size: int) ->
     for name, value in (("latency_us", latency_us), ("gbps", gbps)):
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"dist.link.{name}={value:g} must be >= 0 (0: off)")
-    layout = Nodes(size, world_size // size, latency_us * 1e-6, 8 / (gbps * 1e9) if gbps else 0.0,
+    layout = Nodes(size, world_size // size, latency_us * 1e-6, seconds_per_byte(gbps),
                    bool(link.shared) if link is not None else False)
     if layout.emulated and layout.count == 1:
         raise ConfigError(f"dist.link emulates a link between nodes, but the {world_size} "

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 
+from ddp_lab.dist import seconds_per_byte
+
 
 def wire_ms(bytes_sent: float, gbps: float) -> float:
     """Milliseconds the emulated link holds `bytes_sent` of one rank; 0 without a link."""
-    return bytes_sent * 8 / (gbps * 1e9) * 1e3 if gbps else 0.0
+    return bytes_sent * seconds_per_byte(gbps) * 1e3
 
 
 def predict_step_ms(step_ms_no_link: float, bytes_sent: float, gbps: float) -> float:

@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ddp_lab.dist import seconds_per_byte
 from ddp_lab.perf.collectives import allreduce_on_links
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ def emulated_network(node_size: int, latency_us: float, gbps: float, intra: Link
     as a Network: alpha = latency_us, beta = 8 / gbps ns per byte (gbps 0: no bandwidth limit),
     one link per node (what dist.link.shared=true emulates, and what the formulas assume);
     `intra`: the host's own links between ranks."""
-    inter = Link(latency_us * 1e-6, 8 / (gbps * 1e9) if gbps else 0.0,
+    inter = Link(latency_us * 1e-6, seconds_per_byte(gbps),
                  source=f"given: the emulated link, dist.link.latency_us={latency_us:g} "
                         f"dist.link.gbps={gbps:g} dist.link.shared=true")
     return Network(f"emulated_{gbps:g}gbps", intra, inter, node_size,
