@@ -137,6 +137,14 @@ def test_summary_memory_blocks():
     assert derive.ranks_counted(rows) == "differently"
 
 
+def test_counted_minus_predicted_pairs_per_rank_predictions():
+    # summaries now predict per rank (a shard rounds to whole elements), and leave out what is
+    # not counted (None): rank 0 +2 B over its own prediction, rank 1 -2 B under its own
+    block = {"params_bytes": [102, 98], "comm_buffer_bytes": [None, None],
+             "predicted": {"params_bytes": [100.0, 100.0], "comm_buffer_bytes": [None, None]}}
+    assert derive.counted_minus_predicted([{"memory": block}]) == (-2, 2)
+
+
 def test_log_lines_give_numbers_and_per_pass_ratios():
     rows = [{"line": f"[{i}] n2-{s}: ok, step {t} ms"} for i, (s, t) in
             enumerate([("ddp", 100.0), ("ring", 120.0), ("ddp", 200.0), ("ring", 180.0)])]

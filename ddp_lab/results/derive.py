@@ -118,10 +118,15 @@ def excess(rows: list[dict], column: str, over: str, where: dict | None = None) 
 def counted_minus_predicted(rows: list[dict], block: str = "memory") -> tuple:
     """(lowest, highest) bytes counted minus predicted, over every rank's count of every field
     of every row's `block` of a summary.json (`memory`: each rank's count of each kind of storage,
-    beside one prediction per rank)."""
-    gaps = [count - predicted for row in rows
-            for field, predicted in row[block]["predicted"].items()
-            for count in _numbers(row[block][field])]
+    beside a prediction: one for all ranks, or one per rank as summaries now write it; a field
+    not counted, None, is left out)."""
+    gaps = []
+    for row in rows:
+        counted = row[block]
+        for field, predicted in counted["predicted"].items():
+            counts = counted[field]
+            per_rank = predicted if isinstance(predicted, list) else [predicted] * len(counts)
+            gaps += [c - p for c, p in zip(counts, per_rank) if c is not None and p is not None]
     return min(gaps), max(gaps)
 
 
