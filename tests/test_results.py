@@ -102,6 +102,16 @@ def test_median_min_max_ratio_of_medians_and_counts():
     assert derive.largest_abs(errs, "e") == 20.0
 
 
+def test_shares_divide_within_each_row_not_across_them():
+    rows = [{"t": {"guard": 5.0, "step": 100.0}}, {"t": {"guard": 30.0, "step": 200.0}},
+            {"t": {"guard": 8.0, "step": 80.0}}, {"other": 1}]
+    # per row 0.05, 0.15, 0.1; pooled sums would give 43 / 380 = 0.113
+    assert derive.shares(rows, "t.guard", "t.step") == (0.1, 0.05, 0.15, 3)
+    assert derive.shares(rows, "t.guard", "t.step", {"t.step": 200.0}) == (0.15, 0.15, 0.15, 1)
+    with pytest.raises(LookupError):
+        derive.shares(rows, "t.comm", "t.step")
+
+
 def test_lists_and_strings_of_numbers_pool_every_number():
     rows = [{"ratios": [0.9, 1.0, 1.1]}, {"ratios": [1.3]}, {"passes": "0.5 0.7"}]
     assert derive.median_min_max(rows, "ratios") == (1.05, 0.9, 1.3, 4)

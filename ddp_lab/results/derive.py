@@ -115,6 +115,15 @@ def excess(rows: list[dict], column: str, over: str, where: dict | None = None) 
     return measured - predicted
 
 
+def shares(rows: list[dict], part: str, whole: str, where: dict | None = None) -> tuple:
+    """(median, min, max, n) of part / whole within each matching row that has both (a phase's
+    share of its own run's step, `time_ms.guard` of `time_ms.step`)."""
+    chosen = [r for r in select(rows, where) if _has(r, part) and _has(r, whole)]
+    if not chosen:
+        raise LookupError(f"no row matching {where} has {part!r} and {whole!r}")
+    return _spread([get(r, part) / get(r, whole) for r in chosen])
+
+
 def counted_minus_predicted(rows: list[dict], block: str = "memory") -> tuple:
     """(lowest, highest) bytes counted minus predicted, over every rank's count of every field
     of every row's `block` of a summary.json (`memory`: each rank's count of each kind of storage,
