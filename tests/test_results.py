@@ -89,6 +89,23 @@ def test_paired_ratios_are_per_run_ratios_with_their_median_and_range():
     assert (round(med, 9), round(lo, 9), round(hi, 9), n) == (1.1, 0.9, 1.3, 3)
 
 
+def test_per_run_takes_each_runs_peak_then_their_median():
+    # peaks per run: run1 110, run2 100, run3 130 -> median 110 (100-130); the pooled peak is 130
+    assert derive.per_run(ROWS, "maximum", column="t") == (110.0, 100.0, 130.0, 3)
+    # ring's peak / native's per run: 1.1, 0.9, 1.3
+    med, lo, hi, n = derive.per_run(ROWS, "ratio_of_maxima", column="t",
+                                    num={"algo": "ring"}, den={"algo": "native"})
+    assert (round(med, 9), round(lo, 9), round(hi, 9), n) == (1.1, 0.9, 1.3, 3)
+    with pytest.raises(LookupError, match="not a derivation"):
+        derive.per_run(ROWS, "_spread", column="t")
+
+
+def test_unpaired_ratio_spans_every_pairing_of_the_repeats():
+    rows = [{"side": "a", "r": [30.0, 33.0, 36.0]}, {"side": "b", "r": [10.0, 11.0, 12.0]}]
+    # medians 33 / 11 = 3; lowest 30 / 12 = 2.5; highest 36 / 10 = 3.6
+    assert derive.unpaired_ratio(rows, "r", {"side": "a"}, {"side": "b"}) == (3.0, 2.5, 3.6)
+
+
 def test_median_min_max_ratio_of_medians_and_counts():
     assert derive.median_min_max(ROWS, "t", {"algo": "ring"}) == (110.0, 90.0, 130.0, 3)
     assert derive.median_min_max(ROWS, "t", {"algo": "native"}, unit=1e3)[0] == 0.1
@@ -222,8 +239,9 @@ def test_check_passes_on_the_committed_results():
 
 
 def _copy_results(tmp_path, findings=None):
-    """The repository's README.md, its docs pages, and docs/results (or some findings of it)
-    under tmp_path: every place a figure is quoted."""
+    """The repository's README.md, its docs pages, and docs/results (or some findings of it, with
+    every other finding's page, which may quote theirs) under tmp_path: every place a figure is
+    quoted."""
     src = os.path.join(ROOT, "docs", "results")
     dst = tmp_path / "docs" / "results"
     if findings is None:
@@ -231,6 +249,10 @@ def _copy_results(tmp_path, findings=None):
     else:
         for f in findings:
             shutil.copytree(os.path.join(src, f), dst / f)
+        for other in set(os.listdir(src)) - set(findings):
+            if os.path.exists(os.path.join(src, other, "README.md")):
+                os.makedirs(dst / other)
+                shutil.copy(os.path.join(src, other, "README.md"), dst / other / "README.md")
         shutil.copy(os.path.join(src, "README.md"), dst / "README.md")
     shutil.copy(os.path.join(ROOT, "README.md"), tmp_path / "README.md")
     for page in os.listdir(os.path.join(ROOT, "docs")):

@@ -5,7 +5,8 @@ Where a benchmark already computed a figure and wrote it into its row (train_thr
 `ratio_paired` with `ratio_lo`..`ratio_hi`, a sweep's `pred_err_pct`), the figure reads that
 column (`value`, `row_values`): the benchmark's own arithmetic. The rest are the few statistics
 the results pages use, written once: a median with its range, a ratio of two selections of one
-run, ratios paired run by run, a bootstrap interval, counts. Selections are `where` dicts
+run, a derivation done run by run (ratios paired by run, a peak per run), a bootstrap interval,
+counts. Selections are `where` dicts
 (`{"precision": "bf16", "channels_last": true}`; a list means any of its values). A column that
 holds a list (a benchmark's per-repeat `ratios`) or a string of numbers (a sweep's
 `efficiency_passes`) contributes every number in it.
@@ -212,16 +213,38 @@ def bootstrap_ratio_of_medians(rows: list[dict], column: str, num: dict, den: di
     return statistics.median(xs) / statistics.median(ys), draws[cut], draws[-cut - 1]
 
 
+def _runs(rows: list[dict], pair_by: str) -> list[list[dict]]:
+    """The rows grouped by `pair_by` (by default one file: one run), in the order of its values."""
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(get(row, pair_by), []).append(row)
+    return [group for _, group in sorted(groups.items())]
+
+
+def per_run(rows: list[dict], of: str, pair_by: str = "_file", **args) -> tuple:
+    """(median, min, max, n) of one derivation of this module (`of`: "maximum", "ratio_of_maxima",
+    ...) done within each run alone, the rows sharing `pair_by`: a peak over sizes taken in each
+    of three runs, then the median of the three peaks, never the peak of all."""
+    fn = globals().get(of)
+    if not callable(fn) or of.startswith("_"):
+        raise LookupError(f"{of!r} is not a derivation of ddp_lab.results.derive")
+    return _spread([fn(group, **args) for group in _runs(rows, pair_by)])
+
+
 def paired_ratios(rows: list[dict], column: str, num: dict, den: dict,
                   pair_by: str = "_file") -> tuple:
     """(median, min, max, n) of per-run ratios: within each group of rows sharing `pair_by` (by
     default one file: one run), the median of the `num` selection's column over the `den`
     selection's (with one row each, their ratio)."""
-    groups: dict = {}
-    for row in rows:
-        groups.setdefault(get(row, pair_by), []).append(row)
-    return _spread([ratio_of_medians(group, column, num, den)
-                    for _, group in sorted(groups.items())])
+    return per_run(rows, "ratio_of_medians", pair_by, column=column, num=num, den=den)
+
+
+def unpaired_ratio(rows: list[dict], column: str, num: dict, den: dict) -> tuple:
+    """(ratio of medians, lowest, highest) for repeats that ran apart (a benchmark's rows one after
+    the other, not interleaved), so no repeat of one side has a partner: the range is what any
+    pairing gives, min(num) / max(den) to max(num) / min(den)."""
+    xs, ys = _pooled(rows, column, num), _pooled(rows, column, den)
+    return statistics.median(xs) / statistics.median(ys), min(xs) / max(ys), max(xs) / min(ys)
 
 
 def numbers_in_lines(rows: list[dict], pattern: str) -> tuple:
