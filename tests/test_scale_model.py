@@ -257,3 +257,115 @@ def test_a_missing_fit_is_replaced_by_native_s_and_said_so():
     got, note = fit_for(fits, "ring", "gloo")
     assert got is native and note == "priced with native's fit (none of ring on gloo)"
     assert fit_for({}, "ring", "gloo") == (None, "")
+
+
+# predict.from_nproc: N=8 predicted from the measurements at N <= 4 only.
+NUMELS = [1_000, 2_000_000, 10_000, 4_000_000]  # registration order; 4 MiB buckets: several
+
+
+def _probe(n, k=1.2, bucket_ms=(1.0, 20.0, 0.5), slowdown=1.1):
+    """A probe's result (interfere.py's OUT.json, `derived` only) of ring at world size n."""
+    from ddp_lab.perf.probe import Probe
+
+    buckets = step.bucket_layout(NUMELS[::-1], 4, 4.0, "ours")
+    return Probe({"world_size": n, "param_numels": NUMELS, "derived": {
+        "contention": dict.fromkeys(("forward", "backward", "guard", "optim", "step"), k),
+        "skew": {"backward": 0.05, "guard": 0.1}, "store_ms": 0.1,
+        "grad_ready": [0.9, 0.6, 0.3, 0.1],
+        "ring": {"bucket_bytes": buckets, "bucket_ms": [list(bucket_ms)] * len(buckets),
+                 "comm_ms": 1.0, "comm_loaded_ms": 1.0, "local_s_per_byte": 1e-10,
+                 "compute_slowdown": slowdown, "forward_slowdown": 1.0,
+                 "comm_slowdown": slowdown}}})
+
+
+def _sweep_point(n):
+    from ddp_lab.scale.sweep import Point
+
+    t = {"step": 80.0 + 20 * n, "data": 1.0, "forward": 20.0, "backward": 40.0,
+         "backward_local": 38.0, "comm": 6.0, "guard": 4.0, "optim": 10.0}
+    return Point(f"n{n}-ring", n, "ring", "", "weak", 8, [], "", status="ok", config={
+        "sync": {"comm_dtype": "fp32", "bucket_mb": 4.0, "zero": 0, "overlap": True}},
+        summary={"time_ms": t, "train_img_per_s": 800.0 * n / t["step"], "backend": "gloo",
+                 "parameters": sum(NUMELS)})
+
+
+def _predict_n8(probes, fits, from_nproc):
+    from ddp_lab.perf.predict import predict_rows
+    from ddp_lab.scale import results
+
+    points = [_sweep_point(n) for n in (1, 2, 4, 8)]
+    rows = results.rows_from_points(points)
+    predict_rows(rows, points, fits, probes, results.bases(points), from_nproc)
+    return rows[-1]
+
+
+def test_n8_extrapolated_from_n_up_to_4_reads_nothing_measured_at_8():
+    """predict.from_nproc=[1,2,4]: a planted, absurd N=8 probe changes nothing at N=8, nor do
+    the N=4 probe's bucket times (N=4's own), while its contention does; without the key the
+    N=8 probe is what predicts N=8."""
+    fits = fit.fit_alpha_beta(timings("ring", [(0, 1e-4, 1e-9)], (2, 4)), 1, (1, 2, 4))
+    sane = {f"n{n}-ring": _probe(n) for n in (2, 4)}
+    planted = {**sane, "n8-ring": _probe(8, k=50.0, bucket_ms=(9e3, 9e4, 9e3), slowdown=9.0)}
+    listed = _predict_n8(planted, fits, (1, 2, 4))
+    assert listed["pred_step_ms"] == _predict_n8(sane, fits, (1, 2, 4))["pred_step_ms"]
+    assert listed["pred_step_ms"] < 1000 and listed["contention"] == 1.2
+    assert "from N=[1, 2, 4] only" in listed["pred_note"]
+    assert "interference of the N=4 probe" in listed["pred_note"]
+    slow4 = {**planted, "n4-ring": _probe(4, bucket_ms=(9e3, 9e4, 9e3))}
+    assert _predict_n8(slow4, fits, (1, 2, 4))["pred_step_ms"] == listed["pred_step_ms"]
+    busy4 = {**planted, "n4-ring": _probe(4, k=2.0)}
+    assert _predict_n8(busy4, fits, (1, 2, 4))["pred_step_ms"] > listed["pred_step_ms"]
+    own = _predict_n8(planted, fits, ())
+    assert own["pred_step_ms"] > 10 * listed["pred_step_ms"] and own["pred_note"] == ""
+
+
+def test_the_fit_for_extrapolation_is_pooled_over_the_listed_world_sizes_only():
+    """world_sizes=(1, 2, 4): absurd N=8 calibration rows are not read, and the fit is one pooled
+    over N=2 and 4 (no fit per world size, which N=8 would lack), even where the table would
+    rather have one per N; N=8 is priced through the formulas."""
+    true = (0, 1e-4, 1e-9)
+    rows = timings("ring", [true], (2, 4)) + [
+        {**r, "time_us": r["time_us"] * 100} for r in timings("ring", [true], (8,))]
+    f = fit.fit_alpha_beta(rows, 1, (1, 2, 4))[("ring", "gloo")]
+    assert f.world_sizes == (2, 4) and not f.by_world_size and f.points == 2 * len(SIZES)
+    assert f.time_s(64 * MIB, 8) == pytest.approx(cost("ring", 64 * MIB, 8).time(*true[1:]))
+    assert fit.fit_alpha_beta(rows, 1)[("ring", "gloo")].world_sizes == (2, 4, 8)
+    split = timings("ring", [true], (2, 4, 8), beta_of_n=lambda beta, n: beta * n)
+    assert fit.fit_alpha_beta(split, 1)[("ring", "gloo")].by_world_size
+    assert not fit.fit_alpha_beta(split, 1, (2, 4))[("ring", "gloo")].by_world_size
+
+
+def test_from_nproc_is_checked_against_the_sweep_in_one_line():
+    from ddp_lab.errors import ConfigError
+    from ddp_lab.scale.config import check_from_nproc
+
+    assert check_from_nproc([], [1, 2, 4, 8]) == ()
+    assert check_from_nproc([4, 1, 2], [1, 2, 4, 8]) == (1, 2, 4)
+    assert check_from_nproc([1, 2], [1, 2]) == (1, 2)  # nothing to extrapolate
+    with pytest.raises(ConfigError, match=r"N=\[16\] not among the sweep's world sizes"):
+        check_from_nproc([1, 2, 16], [1, 2, 4, 8])
+    with pytest.raises(ConfigError, match=r"predicting N=\[4, 8\] needs at least 2"):
+        check_from_nproc([1, 2], [1, 2, 4, 8])
+
+
+def test_from_nproc_calibrates_and_probes_only_the_listed_world_sizes(monkeypatch, tmp_path):
+    """The sweep's cost: no calibration and no probe at a world size outside the list; the
+    probes of a kept sweep are found beside its points (collect=)."""
+    from types import SimpleNamespace
+
+    from ddp_lab.scale import app, sweep
+
+    launched = []
+    monkeypatch.setattr(app, "_launch", lambda cmd, env, out, t, what, say: launched.append(
+        next(a for a in cmd if a.startswith("--nproc_per_node="))) or False)
+    predict = SimpleNamespace(table="", calibrate=True, sizes_kb=[4], max_regimes=1, probe=True,
+                              probe_rounds=1, timeout_s=1.0, from_nproc=[1, 2, 4])
+    cfg = SimpleNamespace(predict=predict, syncs=["ring"])
+    points = [_sweep_point(n) for n in (1, 2, 4, 8)]
+    for p in points:
+        p.run_dir = str(tmp_path / "points" / p.name)
+    assert app._fits(cfg, points, str(tmp_path), "cpu", {}, print) == {}
+    assert [app._probe(cfg, p, {}, print) for p in points] == [None] * 4
+    assert launched == ["--nproc_per_node=2", "--nproc_per_node=4"] * 2
+    assert sweep.probe_path(str(tmp_path / "points" / "n8-ring.r2")) == str(
+        tmp_path / "interference" / "n8-ring.r2.json")

@@ -215,8 +215,10 @@ def _quality(fit: Fit, rows: list[dict]) -> tuple[float, float]:
             max(abs(p - t) / t for p, t in zip(pred, times)))
 
 
-def _fit_group(algo: str, backend: str, rs: list[dict], max_regimes: int) -> Fit:
-    """Pooled regimes, or one fit per world size where that scores better (BIC)."""
+def _fit_group(algo: str, backend: str, rs: list[dict], max_regimes: int,
+               per_world_size: bool = True) -> Fit:
+    """Pooled regimes, or (`per_world_size`) one fit per world size where that scores better
+    (BIC)."""
     ns = tuple(sorted({int(r["world_size"]) for r in rs}))
     regimes, resid = _fit_regimes(rs, algo, max_regimes)
     pooled = Fit(algo, backend, regimes, 0.0, 0.0, len(rs), ns)
@@ -229,7 +231,7 @@ def _fit_group(algo: str, backend: str, rs: list[dict], max_regimes: int) -> Fit
         per_n.append((n, Fit(algo, backend, reg_n, *_quality_of(algo, backend, reg_n, part))))
         resid_n += res_n
         params_n += 3 * len(reg_n) - 1
-    use_per_n = len(ns) > 1 and _bic(resid_n, params_n) < _bic(resid, 3 * len(regimes) - 1)
+    use_per_n = per_world_size and len(ns) > 1 and _bic(resid_n, params_n) < _bic(resid, 3 * len(regimes) - 1)
     fit = dataclasses.replace(pooled, by_world_size=tuple(per_n) if use_per_n else ())
     r2, worst = _quality(fit, rs)
     r2_line, worst_line = _quality(line, rs)
@@ -243,14 +245,19 @@ def _quality_of(algo, backend, regimes, rows) -> tuple:
     return (*_quality(fit, rows), len(rows), fit.world_sizes)
 
 
-def fit_alpha_beta(rows: Iterable[dict], max_regimes: int = 3) -> dict[tuple[str, str], Fit]:
+def fit_alpha_beta(rows: Iterable[dict], max_regimes: int = 3,
+                   world_sizes: Sequence[int] = ()) -> dict[tuple[str, str], Fit]:
     """One Fit per (algo, backend) over every (message size, world size) row with world size > 1
     and no wrong elements, minimising relative errors (so the latency term is not drowned by the
     largest messages). Up to `max_regimes` message-size regimes, and a fit per world size, where
-    the table shows they are needed (`_fit_group`); one line otherwise."""
+    the table shows they are needed (`_fit_group`); one line otherwise. `world_sizes` (the
+    scale app's predict.from_nproc): the rows at those world sizes only, always pooled over them,
+    since a world size outside them, which this fit is to price, has no fit of its own."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        if int(r["world_size"]) > 1 and not int(r.get("wrong") or 0) and float(r["time_us"]) > 0:
+        n = int(r["world_size"])
+        if n > 1 and (not world_sizes or n in world_sizes) and not int(r.get("wrong") or 0) \
+                and float(r["time_us"]) > 0:
             groups.setdefault((r["algo"], r.get("backend", "")), []).append(r)
-    return {(algo, backend): _fit_group(algo, backend, rs, max_regimes)
+    return {(algo, backend): _fit_group(algo, backend, rs, max_regimes, not world_sizes)
             for (algo, backend), rs in sorted(groups.items())}

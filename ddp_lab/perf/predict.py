@@ -34,6 +34,17 @@ scales the batch-sized phases (data, forward, backward, other) by the per-rank b
 Efficiency = r x step_1 / step_N, with step_1 the N=1 point's measured step: nothing in the
 prediction is fitted to the points it is compared with.
 
+Extrapolated (predict.from_nproc, e.g. [1, 2, 4] in a sweep to N=8): every point is predicted
+from the measurements at those world sizes only. The fit is made from their calibration rows,
+pooled over them (a fit per world size cannot exist at an N never calibrated), and N enters
+through the formulas' rounds and bytes (perf/collectives.py's cost). A point at an N not listed
+takes the probe of its sync and setting at the largest listed N (`probe_for`), without that
+probe's all-reduce timings (its N's, not the point's: the fit prices every bucket at the point's
+N), and ASSUMES that probe's contention, skew, slowdowns, readiness, store round trip and
+packing rate hold at its own N too (on one host, more ranks share the same cores and memory
+bandwidth: the first thing to suspect where it misses). The row's pred_note says which N's
+measurements predicted it.
+
 A point is the sweep's (ddp_lab/scale/sweep.py's `Point`): what is read of it here is its
 name, status, sync, world_size, per_rank_batch, resolved training config and summary.
 """
@@ -190,7 +201,7 @@ def bandwidths(row: dict, point, fit: Fit | None, probe: Probe | None) -> dict:
         sizes = [b.nbytes for b in _buckets(row, point, probe)]
         out["calib_busbw_GBps"] = bus / sum(fit.time_s(s, n) for s in sizes) / 1e9
     a = probe.algos.get(algo) if probe is not None else None
-    if a:
+    if a and "bucket_ms" in a:  # (a lent probe has none: Probe.lent)
         alone = sum(ar for _, ar, _ in a["bucket_ms"]) * 1e-3
         out["probe_busbw_GBps"] = bus / alone / 1e9
         out["probe_loaded_busbw_GBps"] = bus / (alone * max(1.0, a["comm_slowdown"])) / 1e9
@@ -226,11 +237,28 @@ def empty() -> dict:
     return {**dict.fromkeys(cols, NAN), "pred_note": "", "worst_phase": ""}
 
 
+def probe_for(p, points: list, probes: dict, from_nproc: tuple[int, ...]) -> tuple:
+    """(the Probe that predicts point `p`, what the row's note says of it): its own; with
+    `from_nproc` (predict.from_nproc), and `p` at a world size outside it, the probe of the same
+    sync and setting at the largest world size listed, lent (Probe.lent: its contention, skew
+    and slowdowns assumed to hold at p's N, its buckets priced by the fit at p's N)."""
+    if not from_nproc or p.world_size in from_nproc:
+        return probes.get(p.name), ""
+    m = max(from_nproc)
+    donor = {(q.sync, q.extra, q.world_size): q for q in points}.get((p.sync, p.extra, m))
+    probe = probes.get(donor.name) if donor is not None else None
+    return (probe.lent() if probe is not None else None,
+            f"; interference of the N={m} probe, its buckets priced by the fit at N={p.world_size}")
+
+
 def predict_rows(rows: list[dict], points: list, fits: dict, probes: dict,
-                 bases: dict[str, dict]) -> None:
+                 bases: dict[str, dict], from_nproc: tuple[int, ...] = ()) -> None:
     """Add the model's per-phase prediction and efficiency to every ok row (columns pred_*).
     `probes`: {point name: its Probe}; `bases`: point name -> its N=1 baseline's
-    booked phases (ddp_lab/scale/results.py's booked_phases), with its per_rank_batch."""
+    booked phases (ddp_lab/scale/results.py's booked_phases), with its per_rank_batch.
+    `from_nproc` (predict.from_nproc): the world sizes the fits were made at (pooled over them:
+    fit_alpha_beta's world_sizes) and whose probes predict every point (probe_for); () = each
+    point from its own N's."""
     by_name = {p.name: p for p in points}
     for row in rows:
         row.update(empty())
@@ -252,8 +280,10 @@ def predict_rows(rows: list[dict], points: list, fits: dict, probes: dict,
         if n > 1 and fit is None:
             row["pred_note"] = f"no alpha-beta fit for {_algo(p.sync)} on {row['backend']}"
             continue
-        probe = probes.get(p.name) if n > 1 else None
+        probe, lent = probe_for(p, points, probes, from_nproc) if n > 1 else (None, "")
         notes = [fit_note] if n > 1 and fit_note else []
+        if n > 1 and from_nproc:
+            notes.append(f"from N={sorted(from_nproc)} only: the fit pooled over them" + lent)
         if n > 1 and probe is None:
             notes.append("no interference probe: none assumed")
         row["pred_note"] = "; ".join(notes)

@@ -22,6 +22,7 @@ Each round of the probe runs every condition once, on every rank (see interfere.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import statistics
@@ -29,6 +30,8 @@ import statistics
 from ddp_lab.perf.params import NO_INTERFERENCE, Interference
 
 PHASES = ("forward", "backward", "guard", "optim")  # the probe's timed phases of one step
+# The all-reduce timings of an algorithm: its world size's own, never carried to another.
+TIMED_AT_N = ("bucket_ms", "comm_ms", "comm_loaded_ms")
 NAN = float("nan")
 
 
@@ -111,6 +114,16 @@ class Probe:
         pooled = {**results[0], "rounds": len(every[0]), "samples": every,
                   "derived": derive(every, sizes, len(results[0]["param_numels"]))}
         return cls(pooled, ", ".join(paths))
+
+    def lent(self) -> "Probe":
+        """This probe, for a point at a world size that was not probed (predict.from_nproc):
+        contention, skew, slowdowns, readiness, the store round trip and the packing rate as
+        measured here (assumed not to change with N), without its all-reduce timings, which are
+        this world size's: the model then prices every bucket with the fit at the point's N."""
+        out = copy.copy(self)
+        out.algos = {a: {k: v for k, v in d.items() if k not in TIMED_AT_N}
+                     for a, d in self.algos.items()}
+        return out
 
     def k(self, phase: str) -> float:
         return self.contention.get(phase, 1.0)

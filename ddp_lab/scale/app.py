@@ -14,7 +14,7 @@ from ddp_lab.perf.fit import fit_alpha_beta, read_table
 from ddp_lab.perf.predict import predict_rows
 from ddp_lab.perf.probe import load_probes
 from ddp_lab.scale import launch, outputs, report, results, sim_report, sweep
-from ddp_lab.scale.config import check_sim, register_scale_config
+from ddp_lab.scale.config import check_from_nproc, check_sim, register_scale_config
 from ddp_lab.tables import write_rows
 
 # Training overrides taken off the command line by main() before Hydra parses it (the scale
@@ -38,13 +38,21 @@ class Say:
             f.write(text + "\n")
 
 
+def _measured_at(cfg, n: int) -> bool:
+    """Whether the model's measurements are made (and read) at world size n: predict.from_nproc."""
+    return not cfg.predict.from_nproc or n in cfg.predict.from_nproc
+
+
 def _fits(cfg, points, sweep_dir, profile, env, say) -> dict:
-    """alpha-beta fits: from predict.table, or calibrated here at each world size > 1."""
+    """alpha-beta fits: from predict.table, or calibrated here at each world size > 1 (of
+    predict.from_nproc where given: pooled over those)."""
+    only = tuple(cfg.predict.from_nproc)
     if cfg.predict.table:
         rows = read_table(cfg.predict.table)
         say(f"alpha-beta fit from {cfg.predict.table} ({len(rows)} rows)")
-        return fit_alpha_beta(rows, cfg.predict.max_regimes)
-    sizes = sorted({p.world_size for p in points if p.status == "ok" and p.world_size > 1})
+        return fit_alpha_beta(rows, cfg.predict.max_regimes, only)
+    sizes = sorted({p.world_size for p in points if p.status == "ok" and p.world_size > 1
+                    and _measured_at(cfg, p.world_size)})
     if not cfg.predict.calibrate or not sizes:
         return {}
     algos = ["native"] + [s for s in ("naive", "ring", "tree") if s in cfg.syncs]
@@ -61,7 +69,7 @@ def _fits(cfg, points, sweep_dir, profile, env, say) -> dict:
             say(f"calibrated all-reduce ({', '.join(algos)}) at N={n}: {len(kb)} sizes")
     if rows:
         write_rows(rows, sweep_dir, "allreduce")
-    return fit_alpha_beta(rows, cfg.predict.max_regimes)
+    return fit_alpha_beta(rows, cfg.predict.max_regimes, only)
 
 
 def _launch(cmd: list[str], env: dict, out: str, timeout_s: float, what: str, say) -> bool:
@@ -81,13 +89,15 @@ def _launch(cmd: list[str], env: dict, out: str, timeout_s: float, what: str, sa
     return True
 
 
-def _probe(cfg, p: sweep.Point, sweep_dir: str, env: dict, say, repeat: int = 0) -> str | None:
+def _probe(cfg, p: sweep.Point, env: dict, say) -> str | None:
     """The interference probe (ddp_lab/scale/interfere.py) of point `p`, right after it ran: its
     world size, training settings and algorithm, under the load the point just saw (a shared
-    machine's other users come and go). Its file, or None."""
-    if not cfg.predict.probe or p.status != "ok" or p.world_size < 2 or p.sync == "none":
+    machine's other users come and go). Its file, or None (none at a world size outside
+    predict.from_nproc)."""
+    if not cfg.predict.probe or p.status != "ok" or p.world_size < 2 or p.sync == "none" \
+            or not _measured_at(cfg, p.world_size):
         return None
-    out = os.path.join(sweep_dir, "interference", p.name + sweep.repeat_suffix(repeat) + ".json")
+    out = sweep.probe_path(p.run_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={p.world_size}", "-m", "ddp_lab.scale.interfere", out, "--algos",
            "native" if p.sync == "ddp" else p.sync, "--rounds", str(cfg.predict.probe_rounds),
@@ -156,10 +166,15 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
     """The sweep's passes (each a list of every point), its profile, the environment they ran in
     and the interference probes' files ({point name: [file or None per pass]}): collected from
     run dirs, or planned and launched here `repeats` times over (each pass: every point once,
-    each followed by its probe). None where emit= printed command lines instead."""
+    each followed by its probe; collected: where their sweep kept them). None where emit=
+    printed command lines instead."""
     if cfg.collect:
-        return [[sweep.collect_point(d) for d in cfg.collect]], "collected", dict(os.environ), {}
+        points = [sweep.collect_point(d) for d in cfg.collect]
+        check_from_nproc(cfg.predict.from_nproc, [p.world_size for p in points])
+        return ([points], "collected", dict(os.environ),
+                {p.name: [sweep.probe_path(p.run_dir)] for p in points})
     points, profile = sweep.plan(cfg, PASSTHROUGH, run_dir)
+    listed = check_from_nproc(cfg.predict.from_nproc, [p.world_size for p in points])
     runnable = [p for p in points if p.status == "planned"]
     if runnable:
         sweep.check_point_config(runnable[0])
@@ -177,6 +192,9 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
     say(f"sweep: {len(points)} points ({len(runnable)} to run{f' x {repeats}' * (repeats > 1)}),"
         f" {cfg.mode} scaling, profile {profile}, world sizes "
         f"{sorted({p.world_size for p in points})}, syncs {list(cfg.syncs)} -> {run_dir}")
+    if listed:
+        say(f"predict.from_nproc: calibration and probes at N={list(listed)} only; every point "
+            "is predicted from them")
     passes, probes = [], {}
     for r in range(repeats):
         passes.append([sweep.for_repeat(p, r) for p in points])
@@ -186,7 +204,7 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
                 say(f"{where}: running (timeout {timeout:.0f} s)")
                 launch.launch(q, env, timeout, cfg.keep_checkpoints)
             say(f"{where}: {_result(q)}")
-            probes.setdefault(q.name, []).append(_probe(cfg, q, run_dir, env, say, r))
+            probes.setdefault(q.name, []).append(_probe(cfg, q, env, say))
     return passes, profile, env, probes
 
 
@@ -231,7 +249,8 @@ def tabulate(cfg, passes: list, profile: str, env: dict, run_dir: str, say,
     for r, points in enumerate(passes):
         rows = results.rows_from_points(points)
         probes = load_probes({name: fs[r:r + 1] for name, fs in (probe_files or {}).items()})
-        predict_rows(rows, points, fits, probes, results.bases(points))
+        predict_rows(rows, points, fits, probes, results.bases(points),
+                     tuple(cfg.predict.from_nproc))
         per_pass.append(rows)
     rows = results.merge_passes(per_pass)
     csv_path = outputs.write_csv(rows, run_dir)

@@ -20,6 +20,10 @@ class PredictConfig:
     max_regimes: int = 3  # message-size regimes the fit may use (it uses the fewest that fit)
     probe: bool = True  # measure interference at each world size > 1 (ddp_lab/scale/interfere.py)
     probe_rounds: int = 4  # timed rounds of the probe's conditions (after one warm-up round)
+    # World sizes whose calibration and probes predict every point (ddp_lab/perf/predict.py):
+    # [1, 2, 4] in a sweep to 8 calibrates and probes at 2 and 4 only and extrapolates N=8,
+    # which still runs, to be compared. []: each N from its own measurements.
+    from_nproc: list[int] = field(default_factory=list)
     timeout_s: float = 300.0
 
 
@@ -71,6 +75,21 @@ def check_sim(sim) -> None:
                           f"{sorted(ZERO_OPS)}")
     if float(sim.gpu_gb) <= 0 or any(float(b) <= 0 for b in sim.zero_params_b):
         raise ConfigError("sim.gpu_gb and every sim.zero_params_b must be > 0")
+
+
+def check_from_nproc(from_nproc, sizes) -> tuple[int, ...]:
+    """predict.from_nproc against the sweep's world sizes `sizes`, before any work: as a
+    tuple; () where it is empty."""
+    listed, sizes = tuple(sorted({int(n) for n in from_nproc})), sorted(set(sizes))
+    outside = [n for n in listed if n not in sizes]
+    if outside:
+        raise ConfigError(f"predict.from_nproc={list(from_nproc)}: N={outside} not among the "
+                          f"sweep's world sizes {sizes}")
+    unseen = [n for n in sizes if n > 1 and n not in listed]
+    if listed and unseen and sum(n > 1 for n in listed) < 2:
+        raise ConfigError(f"predict.from_nproc={list(from_nproc)}: predicting N={unseen} needs "
+                          "at least 2 world sizes > 1 to fit how the all-reduce grows with N")
+    return listed
 
 
 @dataclass

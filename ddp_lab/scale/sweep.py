@@ -186,6 +186,13 @@ def for_repeat(p: Point, repeat: int) -> Point:
                                returncode=None, wall_s=float("nan"))
 
 
+def probe_path(run_dir: str) -> str:
+    """The interference probe's file of the point run in `run_dir`, where a sweep keeps it:
+    <sweep>/points/<name>[.rK] -> <sweep>/interference/<name>[.rK].json."""
+    points, name = os.path.split(os.path.abspath(run_dir).rstrip("/"))
+    return os.path.join(os.path.dirname(points), "interference", name + ".json")
+
+
 def collect_point(run_dir: str) -> Point:
     """A point from an existing run directory (a multi-node run, say): its summary and config."""
     run_dir = os.path.abspath(run_dir)
