@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ddp_lab.bench import compression
 from ddp_lab.bench.compression import ARMS, arm_rows, check
 from ddp_lab.config import ConfigError
 from ddp_lab.perf.compression import breakeven_gbps, predict_step_ms, wire_ms
@@ -69,3 +70,15 @@ def test_bad_study_settings_are_one_line(keys, message):
                              "timing_warmup": 1, **keys})
     with pytest.raises(ConfigError, match=message):
         check(cfg)
+
+
+def test_sync_and_training_overrides_go_to_every_run_replacing_the_recipes(monkeypatch):
+    """`sync=ddp` (torch's hooks, the reference) and `optim=sgd` reach the runs in place of the
+    recipe's `sync=ring` and `optim=adamw`; the study's own keys do not."""
+    for arg in ("sync=ddp", "optim=sgd", "sync.compress_start=2", "model.fc_width=512"):
+        assert compression.is_training_override(arg), arg
+    for arg in ("arms=[fp32]", "steps=132", "syncs=[ring]"):
+        assert not compression.is_training_override(arg), arg
+    monkeypatch.setattr(compression, "PASSED", ["sync=ddp", "optim=sgd"])
+    kept = compression.recipe()
+    assert "sync=ring" not in kept and "optim=adamw" not in kept and "train.batch_size=32" in kept

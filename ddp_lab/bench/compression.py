@@ -8,7 +8,8 @@ to the step time on slower links, measured, beside the performance model's predi
     python -m ddp_lab.bench.compression data=cifar10                      # CIFAR-10, when present
 
 Training overrides on the command line (model=..., data=..., optim.*, train.*, sync.*, seed=...)
-go to every run, as with `python -m ddp_lab.scale`. Every run is a real torchrun job of
+go to every run, as with `python -m ddp_lab.scale`, and `sync=ddp` runs the arms through torch's
+comm hooks (the reference; bf16, fp16 and powersgd only). Every run is a real torchrun job of
 ddp_lab.train (sync=ring, AdamW, `RECIPE`), one at a time:
 - accuracy runs: each arm x seed x nproc, `steps` steps, no emulated link, evaluated each epoch;
 - link runs: each of `link_arms` x link speed (`gbps` > 0) x nproc, `repeats` times,
@@ -272,14 +273,21 @@ def run(cfg, run_dir: str) -> list[dict]:
     return rows
 
 
+def is_training_override(arg: str) -> bool:
+    """A training override (ddp_lab.scale's, and `sync=`: the study runs one sync, ours by
+    default; `sync=ddp` runs the arms through torch's comm hooks, the reference)."""
+    from ddp_lab.scale.sweep import PASS_THROUGH
+
+    return bool(PASS_THROUGH.match(arg)) or arg.startswith("sync=")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Training overrides go to every run (PASSED), the rest to the study's own config."""
     from ddp_lab.scale.app import run_name
-    from ddp_lab.scale.sweep import PASS_THROUGH
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    PASSED[:] = [a for a in argv if PASS_THROUGH.match(a)]
-    own = [a for a in argv if not PASS_THROUGH.match(a)]
+    PASSED[:] = [a for a in argv if is_training_override(a)]
+    own = [a for a in argv if not is_training_override(a)]
     if not any(a.startswith("hydra.run.dir=") for a in own):
         own.append(f"hydra.run.dir=outputs/bench/compression/{run_name(argv)}")
     sys.argv = [sys.argv[0], *own]
