@@ -231,7 +231,8 @@ def _fit_group(algo: str, backend: str, rs: list[dict], max_regimes: int,
         per_n.append((n, Fit(algo, backend, reg_n, *_quality_of(algo, backend, reg_n, part))))
         resid_n += res_n
         params_n += 3 * len(reg_n) - 1
-    use_per_n = per_world_size and len(ns) > 1 and _bic(resid_n, params_n) < _bic(resid, 3 * len(regimes) - 1)
+    use_per_n = (per_world_size and len(ns) > 1
+                 and _bic(resid_n, params_n) < _bic(resid, 3 * len(regimes) - 1))
     fit = dataclasses.replace(pooled, by_world_size=tuple(per_n) if use_per_n else ())
     r2, worst = _quality(fit, rs)
     r2_line, worst_line = _quality(line, rs)
