@@ -72,6 +72,47 @@ def _through_the_sync(rank, n):
     return out
 
 
+def _counted_each_step(rank, n):
+    """Four SGD steps of the small CNN per case, PowerSGD compressing from the third
+    (compress_start=2, r = 1, minimum rate 1): sync=ring through our compressor, sync=ddp through
+    torch's hooks. Each step's counted elements and the payload bytes handed to collectives."""
+    powersgd = dict(compress="powersgd", compress_rank=1, compress_start=2,
+                    min_compression_rate=1.0)
+    out = {}
+    ddp = dict(name="ddp", bucket_mb=1000)  # one bucket: torch's PowerSGD hangs on gloo with many
+    for case, keys in {"ring powersgd": powersgd, "ddp powersgd": dict(ddp, **powersgd),
+                       "ddp bf16": dict(ddp, compress="bf16"),
+                       "ddp fp16": dict(ddp, compress="fp16")}.items():
+        model = make_model(0)
+        sync = make_sync(scfg(**keys), n)
+        wrapped = sync.prepare(model)
+        opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.1))
+        out[case] = []
+        for step in range(4):
+            x, y = batch(rank, step, 0)
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            sync.finish()
+            stats = sync.comm_stats()  # (ring at N = 2: its bytes are the payload, sent once)
+            out[case].append((stats["compression"]["elements_per_step"],
+                              stats.get("allreduce_payload_bytes", stats["bytes_per_step"])))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync.close()
+    return out, expected_elements(model, 1, 1.0), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_ddp_counts_the_elements_torchs_hooks_send():
+    """elements_per_step is counted where the elements are handed to the all-reduce: under
+    torch's powerSGD_hook (P and Q all-reduced in its futures' callbacks) the whole gradient
+    before compress_start, then (rows + cols) r per compressed matrix and the biases whole,
+    step by step what our ring's PowerSGD counts; bf16 and fp16 send every element, 2 bytes each."""
+    for got, compressed, numel in spawn(_counted_each_step, 2, timeout=50):
+        want = [(numel, 4 * numel)] * 2 + [(compressed, 4 * compressed)] * 2
+        assert compressed < numel and got["ddp powersgd"] == got["ring powersgd"] == want
+        assert got["ddp bf16"] == got["ddp fp16"] == [(numel, 2 * numel)] * 4
+
+
 def _kept(sync, s) -> tuple[int, int]:
     """(bytes of what the compressor keeps, counted from storages as summary.json's memory block
     counts them; perf.memory's prediction of them)."""
