@@ -1,17 +1,21 @@
 """sync.compress inside our syncs (ddp_lab/sync/compressed.py behind sync/bucketed.py), on real
 gloo groups, against named references: the uncompressed sync=ring (what must not compress, and
 every step before sync.compress_start, equals it bitwise); (rows + cols) r elements per compressed
-matrix and 2k per top-k bucket, counted, and the bytes the Recorder counts; a step holding an
-inf or NaN leaves the error buffers and Q as they were; stop-and-resume with compression on
-equals the run straight through, bitwise. (The compressors alone: tests/test_compress.py.)"""
+matrix and 2k per top-k bucket, counted, and the bytes the Recorder counts, sync=ddp's through
+torch's hooks the same; a step holding an inf or NaN leaves the error buffers and Q as they were,
+decided without reading anything back to the host (counted at the dispatcher; on CUDA, torch's
+sync debug mode); stop-and-resume with compression on equals the run straight through, bitwise.
+(The compressors alone: tests/test_compress.py.)"""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from background import background
 from helpers import check, summary
@@ -261,6 +265,91 @@ def _planted_cases(rank, n):
             for keys in (dict(compress="powersgd", compress_rank=1),
                          dict(compress="topk", topk_fraction=0.1))
             for bad in (float("inf"), float("nan"))}
+
+
+class _HostReads(TorchDispatchMode):
+    """The ops run inside it that hand a tensor's values to Python, which on CUDA waits for the
+    device: _local_scalar_dense (under every .item(), bool(), int(), float()), nonzero (its size
+    is in the data: boolean indexing too) and equal."""
+
+    READS = ("_local_scalar_dense", "nonzero", "equal")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.READS:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _one_rank(device: torch.device, compress: str):
+    """sync/compressed.py's CompressedBuckets on one rank (its collectives the identity) over the
+    small CNN's parameters in two buckets; returns it and `step(seed, bad=None)`, one step of
+    gradients drawn on `device`, `bad` planted in the second bucket."""
+    from ddp_lab.compress import Ops
+    from ddp_lab.sync.compressed import CompressedBuckets
+
+    shapes = [p.shape for p in make_model(0).parameters()]
+    buckets = [SimpleNamespace(params=[SimpleNamespace(shape=s) for s in half],
+                               numel=sum(s.numel() for s in half))
+               for half in (shapes[:2], shapes[2:])]
+    compressed = CompressedBuckets(scfg(compress=compress, compress_rank=1, topk_fraction=0.1),
+                                   device)
+    ops = Ops(1, lambda t: t, lambda mine, whole: whole.copy_(mine))
+
+    def step(seed: int, bad: float | None = None) -> None:
+        gen = torch.Generator(device).manual_seed(seed)
+        for b, bucket in enumerate(buckets):
+            bucket.buffer = torch.randn(bucket.numel, generator=gen, device=device)
+            if bad is not None and b == 1:
+                bucket.buffer[0] = bad
+            compressed.reduce(b, bucket, ops, last=b == 1)
+
+    return compressed, step
+
+
+def _bad_steps_keep_the_second_buckets_state(compressed, step) -> None:
+    """An inf step, then a NaN step: the second bucket's kept tensors as they were, the first's
+    replaced (as tests above check through the sync on two ranks)."""
+    for bad in (float("inf"), float("nan")):
+        before = _state(compressed)
+        step(10, bad)
+        after = _state(compressed)
+        for k in before:
+            assert torch.equal(after[k], before[k]) == k.endswith(".1"), (bad, k)
+            assert torch.isfinite(after[k]).all(), (bad, k)
+
+
+@pytest.mark.parametrize("compress", ["powersgd", "topk"])
+def test_the_compressed_bucket_path_reads_nothing_back_to_the_host(compress):
+    """Per bucket nothing is read back to Python, a non-finite bucket included (on CUDA each read
+    would wait for the device, every bucket): the finiteness check stays on the device."""
+    compressed, step = _one_rank(torch.device("cpu"), compress)
+    step(0)  # (the first: PowerSGD draws each bucket's first Q, once a run)
+    with _HostReads() as reads:
+        step(1)
+        step(2, float("inf"))
+        step(3, float("nan"))
+    assert reads.seen == []
+    _bad_steps_keep_the_second_buckets_state(compressed, step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compress", ["powersgd", "topk"])
+def test_on_cuda_the_compressed_bucket_path_never_synchronizes(compress):
+    """The same on a GPU, where torch itself refuses every synchronizing call."""
+    compressed, step = _one_rank(torch.device("cuda"), compress)
+    step(0)  # (PowerSGD's first Q is drawn on the host and copied over: once a run)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(1)
+        step(2, float("inf"))
+        step(3, float("nan"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _bad_steps_keep_the_second_buckets_state(compressed, step)
 
 
 # ---- stop and resume, launched: rank 0's checkpoint.pt holds every rank's compression state ----
