@@ -1,17 +1,21 @@
 """sync.compress inside our syncs (ddp_lab/sync/compressed.py behind sync/bucketed.py), on real
 gloo groups, against named references: the uncompressed sync=ring (what must not compress, and
 every step before sync.compress_start, equals it bitwise); (rows + cols) r elements per compressed
-matrix and 2k per top-k bucket, counted, and the bytes the Recorder counts; a step holding an
-inf or NaN leaves the error buffers and Q as they were; stop-and-resume with compression on
-equals the run straight through, bitwise. (The compressors alone: tests/test_compress.py.)"""
+matrix and 2k per top-k bucket, counted, and the bytes the Recorder counts, sync=ddp's through
+torch's hooks the same; a step holding an inf or NaN leaves the error buffers and Q as they were,
+decided without reading anything back to the host (counted at the dispatcher; on CUDA, torch's
+sync debug mode); stop-and-resume with compression on equals the run straight through, bitwise.
+(The compressors alone: tests/test_compress.py.)"""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from background import background
 from helpers import check, summary
@@ -70,6 +74,47 @@ def _through_the_sync(rank, n):
                      "numel": sum(p.numel() for p in model.parameters())}
         sync.close()
     return out
+
+
+def _counted_each_step(rank, n):
+    """Four SGD steps of the small CNN per case, PowerSGD compressing from the third
+    (compress_start=2, r = 1, minimum rate 1): sync=ring through our compressor, sync=ddp through
+    torch's hooks. Each step's counted elements and the payload bytes handed to collectives."""
+    powersgd = dict(compress="powersgd", compress_rank=1, compress_start=2,
+                    min_compression_rate=1.0)
+    out = {}
+    ddp = dict(name="ddp", bucket_mb=1000)  # one bucket: torch's PowerSGD hangs on gloo with many
+    for case, keys in {"ring powersgd": powersgd, "ddp powersgd": dict(ddp, **powersgd),
+                       "ddp bf16": dict(ddp, compress="bf16"),
+                       "ddp fp16": dict(ddp, compress="fp16")}.items():
+        model = make_model(0)
+        sync = make_sync(scfg(**keys), n)
+        wrapped = sync.prepare(model)
+        opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.1))
+        out[case] = []
+        for step in range(4):
+            x, y = batch(rank, step, 0)
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            sync.finish()
+            stats = sync.comm_stats()  # (ring at N = 2: its bytes are the payload, sent once)
+            out[case].append((stats["compression"]["elements_per_step"],
+                              stats.get("allreduce_payload_bytes", stats["bytes_per_step"])))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync.close()
+    return out, expected_elements(model, 1, 1.0), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_ddp_counts_the_elements_torchs_hooks_send():
+    """elements_per_step is counted where the elements are handed to the all-reduce: under
+    torch's powerSGD_hook (P and Q all-reduced in its futures' callbacks) the whole gradient
+    before compress_start, then (rows + cols) r per compressed matrix and the biases whole,
+    step by step what our ring's PowerSGD counts; bf16 and fp16 send every element, 2 bytes each."""
+    for got, compressed, numel in spawn(_counted_each_step, 2, timeout=50):
+        want = [(numel, 4 * numel)] * 2 + [(compressed, 4 * compressed)] * 2
+        assert compressed < numel and got["ddp powersgd"] == got["ring powersgd"] == want
+        assert got["ddp bf16"] == got["ddp fp16"] == [(numel, 2 * numel)] * 4
 
 
 def _kept(sync, s) -> tuple[int, int]:
@@ -220,6 +265,91 @@ def _planted_cases(rank, n):
             for keys in (dict(compress="powersgd", compress_rank=1),
                          dict(compress="topk", topk_fraction=0.1))
             for bad in (float("inf"), float("nan"))}
+
+
+class _HostReads(TorchDispatchMode):
+    """The ops run inside it that hand a tensor's values to Python, which on CUDA waits for the
+    device: _local_scalar_dense (under every .item(), bool(), int(), float()), nonzero (its size
+    is in the data: boolean indexing too) and equal."""
+
+    READS = ("_local_scalar_dense", "nonzero", "equal")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.READS:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _one_rank(device: torch.device, compress: str):
+    """sync/compressed.py's CompressedBuckets on one rank (its collectives the identity) over the
+    small CNN's parameters in two buckets; returns it and `step(seed, bad=None)`, one step of
+    gradients drawn on `device`, `bad` planted in the second bucket."""
+    from ddp_lab.compress import Ops
+    from ddp_lab.sync.compressed import CompressedBuckets
+
+    shapes = [p.shape for p in make_model(0).parameters()]
+    buckets = [SimpleNamespace(params=[SimpleNamespace(shape=s) for s in half],
+                               numel=sum(s.numel() for s in half))
+               for half in (shapes[:2], shapes[2:])]
+    compressed = CompressedBuckets(scfg(compress=compress, compress_rank=1, topk_fraction=0.1),
+                                   device)
+    ops = Ops(1, lambda t: t, lambda mine, whole: whole.copy_(mine))
+
+    def step(seed: int, bad: float | None = None) -> None:
+        gen = torch.Generator(device).manual_seed(seed)
+        for b, bucket in enumerate(buckets):
+            bucket.buffer = torch.randn(bucket.numel, generator=gen, device=device)
+            if bad is not None and b == 1:
+                bucket.buffer[0] = bad
+            compressed.reduce(b, bucket, ops, last=b == 1)
+
+    return compressed, step
+
+
+def _bad_steps_keep_the_second_buckets_state(compressed, step) -> None:
+    """An inf step, then a NaN step: the second bucket's kept tensors as they were, the first's
+    replaced (as tests above check through the sync on two ranks)."""
+    for bad in (float("inf"), float("nan")):
+        before = _state(compressed)
+        step(10, bad)
+        after = _state(compressed)
+        for k in before:
+            assert torch.equal(after[k], before[k]) == k.endswith(".1"), (bad, k)
+            assert torch.isfinite(after[k]).all(), (bad, k)
+
+
+@pytest.mark.parametrize("compress", ["powersgd", "topk"])
+def test_the_compressed_bucket_path_reads_nothing_back_to_the_host(compress):
+    """Per bucket nothing is read back to Python, a non-finite bucket included (on CUDA each read
+    would wait for the device, every bucket): the finiteness check stays on the device."""
+    compressed, step = _one_rank(torch.device("cpu"), compress)
+    step(0)  # (the first: PowerSGD draws each bucket's first Q, once a run)
+    with _HostReads() as reads:
+        step(1)
+        step(2, float("inf"))
+        step(3, float("nan"))
+    assert reads.seen == []
+    _bad_steps_keep_the_second_buckets_state(compressed, step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compress", ["powersgd", "topk"])
+def test_on_cuda_the_compressed_bucket_path_never_synchronizes(compress):
+    """The same on a GPU, where torch itself refuses every synchronizing call."""
+    compressed, step = _one_rank(torch.device("cuda"), compress)
+    step(0)  # (PowerSGD's first Q is drawn on the host and copied over: once a run)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(1)
+        step(2, float("inf"))
+        step(3, float("nan"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _bad_steps_keep_the_second_buckets_state(compressed, step)
 
 
 # ---- stop and resume, launched: rank 0's checkpoint.pt holds every rank's compression state ----

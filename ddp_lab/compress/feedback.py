@@ -25,10 +25,16 @@ class Feedback:
             flat.add_(self.kept[key])
         return flat.clone()
 
-    def keep(self, key: int, x: torch.Tensor | None, sent: torch.Tensor) -> None:
-        """e = x - sent, for the next step (x as `add` returned it)."""
+    def keep(self, key: int, x: torch.Tensor | None, sent: torch.Tensor,
+             finite: torch.Tensor) -> None:
+        """e = x - sent, for the next step (x as `add` returned it), where `finite` (a 0-dim bool
+        tensor) holds; else the e kept before stays (none before: zeros, which add nothing).
+        Chosen on the device by torch.where: a Python `if` on it would wait for a GPU every
+        bucket."""
         if x is not None:
-            self.kept[key] = x.sub_(sent)
+            e = x.sub_(sent)
+            before = self.kept[key] if key in self.kept else e.new_zeros(())
+            self.kept[key] = torch.where(finite, e, before, out=e)
 
     def state_dict(self) -> dict:
         return {str(k): v for k, v in self.kept.items()}

@@ -21,7 +21,8 @@ Elements on the wire per compressed matrix: (rows + cols) r, against rows x cols
 A step with an inf or NaN in any rank's bucket leaves the compressor as it was: an inf/NaN in M
 reaches P = M Q, and through the all-reduces the average on every rank, so every rank sees the
 same non-finite result (and the guard skips the step on every rank); neither the kept error nor
-Q is replaced by it. Q is worked on as a copy and kept only after a finite step for that reason.
+Q is replaced by it. Q is worked on as a copy and kept only after a finite step for that reason,
+chosen on the device (torch.where): the check reads nothing back to the host.
 """
 
 from __future__ import annotations
@@ -87,11 +88,10 @@ class PowerSGD(Compressor):
             together.div_(ops.world_size)
             _unpack(together, rest)
         q_flat = self._power_step(key, mats, ops) if mats else None
-        if not torch.isfinite(flat).all():  # the same verdict on every rank: see the module
-            return
-        self.feedback.keep(key, x, flat)
+        finite = torch.isfinite(flat).all()  # the same verdict on every rank: see the module
+        self.feedback.keep(key, x, flat, finite)
         if q_flat is not None:
-            self.qs[key] = q_flat
+            self.qs[key] = torch.where(finite, q_flat, self.qs[key], out=q_flat)
 
     def _power_step(self, key: int, mats: list, ops: Ops) -> torch.Tensor:
         """M ~ P Q^T for every matrix, in place; returns the new Qs (flat) to keep."""

@@ -50,8 +50,8 @@ class TopK(Compressor):
         else:
             self.numel_after += 2 * k
             sent = _sparse_average(flat, k, ops)
-        if torch.isfinite(flat).all():  # the same verdict on every rank: see the module
-            self.feedback.keep(key, x, sent)
+        # the same verdict on every rank: see the module
+        self.feedback.keep(key, x, sent, torch.isfinite(flat).all())
 
     def state_dict(self) -> dict:
         return {"feedback": self.feedback.state_dict(),

@@ -6,22 +6,26 @@ sync=naive|ring|tree sync.zero=1 (ddp_lab/sync/zero.py).
 `sync.compress` runs torch's own comm hooks (bf16_compress_hook, fp16_compress_hook,
 powerSGD_hook): the reference ddp_lab/compress is checked against.
 
-Bytes, counted where they are handed to the backend (what the backend then sends is inside it):
-every bucket through a comm hook (torch's `allreduce_hook`, the divide-first `compress_hook` for a
-16-bit `sync.comm_dtype`, or torch's compression hooks, counted in the dtype or the elements they
-send), and with ZeRO-1 every parameter broadcast after the optimizer
+Bytes and elements, counted where they are handed to the backend (what the backend then sends is
+inside it): every tensor a comm hook all-reduces (torch's `allreduce_hook`, the divide-first
+`compress_hook` for a 16-bit `sync.comm_dtype`, torch's compression hooks: their own code, run
+from private copies of their modules whose `dist.all_reduce` counts, in whatever dtype and
+however many elements they send), and with ZeRO-1 every parameter broadcast after the optimizer
 step, seen at the dispatcher (`c10d.broadcast_`). They are reported as payload bytes and as bus
 bytes by nccl-tests' convention: an all-reduce's payload x 2(N-1)/N, a broadcast's x 1, what a
 ring-family algorithm sends per rank (`comm.cost`)."""
 
 from __future__ import annotations
 
+import importlib.util
+import threading
+from types import ModuleType
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lab.dtypes import DTYPES
@@ -29,8 +33,9 @@ from ddp_lab.sync.base import GradSync
 from ddp_lab.sync.config import SYNCS
 
 
-def compress_hook(dtype: torch.dtype):
-    """A DDP comm hook: all-reduce each bucket in `dtype`, averaged.
+def compress_hook(dtype: torch.dtype, collectives):
+    """A DDP comm hook: all-reduce each bucket in `dtype`, averaged, through `collectives`
+    (torch.distributed, or Handed's counting stand-in for it).
 
     Unlike torch's fp16_compress_hook / bf16_compress_hook, which cast the bucket down *first* and
     divide by the world size afterwards (so any gradient above 65504 becomes inf in fp16 even
@@ -42,7 +47,7 @@ def compress_hook(dtype: torch.dtype):
         buffer = bucket.buffer()
         compressed = torch.empty_like(buffer, dtype=dtype)
         torch.div(buffer, dist.get_world_size(group), out=compressed)
-        fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+        fut = collectives.all_reduce(compressed, group=group, async_op=True).get_future()
 
         def decompress(fut):
             buffer.copy_(fut.value()[0])
@@ -80,30 +85,47 @@ def timed_hook(hook, tracer):
 
 
 class Handed:
-    """Payload bytes handed to the backend since the last `take()`, by collective."""
+    """Payload bytes and elements handed to the backend since the last `take()`, by collective:
+    all-reduces as the hooks make them through `self.dist`, broadcasts as _Broadcasts sees them."""
 
     def __init__(self):
-        self.allreduce = self.broadcast = 0
+        self.allreduce = self.elements = self.broadcast = 0
+        self._lock = threading.Lock()  # torch's hooks all-reduce from the backend's threads too
+        self.dist = _CountingDist(self)
 
-    def counted(self, hook, elem: int | None = None, powersgd=None):
-        """`hook` (a DDP comm hook), counting what it hands over for each bucket: the bucket in
-        the dtype it travels in (`elem` bytes an element; None: the bucket's own), or with
-        torch's PowerSGD the elements its state counts after compression (P, Q and what goes
-        uncompressed; the whole bucket before compression starts)."""
-        def hook_counting(state, bucket):
-            buffer = bucket.buffer()
-            before = powersgd.total_numel_after_compression if powersgd is not None else 0
-            fut = hook(state, bucket)
-            after = powersgd.total_numel_after_compression if powersgd is not None else 0
-            numel = after - before if after != before else buffer.numel()
-            self.allreduce += numel * (elem or buffer.element_size())
-            return fut
+    def all_reduce(self, tensor: torch.Tensor, *args, **kwargs):
+        with self._lock:
+            self.allreduce += tensor.numel() * tensor.element_size()
+            self.elements += tensor.numel()
+        return dist.all_reduce(tensor, *args, **kwargs)
 
-        return hook_counting
-
-    def take(self) -> tuple[int, int]:
-        out, self.allreduce, self.broadcast = (self.allreduce, self.broadcast), 0, 0
+    def take(self) -> tuple[int, int, int]:
+        """(all-reduce payload bytes, broadcast payload bytes, all-reduced elements)."""
+        with self._lock:
+            out = self.allreduce, self.broadcast, self.elements
+            self.allreduce = self.broadcast = self.elements = 0
         return out
+
+
+class _CountingDist:
+    """torch.distributed as the comm hooks see it here: all_reduce counted by `handed` first."""
+
+    def __init__(self, handed: Handed):
+        self.all_reduce = handed.all_reduce
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+
+def counting_copy(module: ModuleType, **globals_) -> ModuleType:
+    """A private copy of `module` (its source run again) with `globals_` in place of its own:
+    torch's powerSGD_hook all-reduces P and Q in future callbacks on the backend's threads, where
+    no thread-local dispatch mode sees them, but every call looks up its module's `dist`."""
+    spec = importlib.util.find_spec(module.__name__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    vars(copy).update(globals_)
+    return copy
 
 
 class _Broadcasts(TorchDispatchMode):
@@ -143,7 +165,7 @@ class DDPSync(GradSync):
         self.ddp: DistributedDataParallel | None = None
         self.handed = Handed()
         self.powersgd = None  # torch's PowerSGDState with sync.compress=powersgd
-        self._last = (0, 0)  # (all-reduce, broadcast) payload bytes of the last step
+        self._last = (0, 0, 0)  # the last step's Handed.take()
 
     def prepare(self, model: nn.Module) -> nn.Module:
         self.ddp = DistributedDataParallel(
@@ -153,29 +175,33 @@ class DDPSync(GradSync):
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
         )
-        hook, state, elem = self._hook()
+        hook, state = self._hook()
         if self.tracer is not None:
             hook = timed_hook(hook, self.tracer)
-        self.ddp.register_comm_hook(state, self.handed.counted(hook, elem, self.powersgd))
+        self.ddp.register_comm_hook(state, hook)
         return self.ddp
 
     def _hook(self):
-        """(DDP's comm hook, its state, bytes an element it sends): torch's own hooks for
-        sync.compress (the reference for ours); otherwise divide by the world size, then (a 16-bit
-        sync.comm_dtype: cast down, see compress_hook) sum."""
-        c = self.cfg
+        """(DDP's comm hook, its state), its all-reduces counted by self.handed: torch's own hooks
+        for sync.compress (the reference for ours); otherwise divide by the world size, then (a
+        16-bit sync.comm_dtype: cast down, see compress_hook) sum."""
+        c, counting = self.cfg, self.handed.dist
+        default = counting_copy(default_hooks, dist=counting)
         if c.compress == "powersgd":
-            self.powersgd = PowerSGDState(
+            self.powersgd = powerSGD_hook.PowerSGDState(
                 None, matrix_approximation_rank=c.compress_rank,
                 start_powerSGD_iter=c.compress_start, min_compression_rate=c.min_compression_rate,
                 use_error_feedback=c.error_feedback, warm_start=True, random_seed=0)
-            return powerSGD_hook, self.powersgd, None
+            ours = counting_copy(powerSGD_hook, dist=counting, default=default)
+            return ours.powerSGD_hook, self.powersgd
         if c.compress in ("bf16", "fp16"):
-            hook = getattr(default_hooks, f"{c.compress}_compress_hook")
-            return hook, None, DTYPES[c.compress].itemsize
+            torchs = getattr(default, f"{c.compress}_compress_hook")
+            # under another name: DDP refuses one named bf16_compress_hook where torch was built
+            # without NCCL, though gloo all-reduces bf16
+            return (lambda state, bucket: torchs(state, bucket)), None
         if c.comm_dtype != "fp32":
-            return compress_hook(DTYPES[c.comm_dtype]), None, DTYPES[c.comm_dtype].itemsize
-        return default_hooks.allreduce_hook, None, None
+            return compress_hook(DTYPES[c.comm_dtype], counting), None
+        return default.allreduce_hook, None
 
     def finish(self) -> None:
         # A step's bytes: from one finish() to the next, so ZeRO-1's broadcasts after a step
@@ -225,17 +251,20 @@ class DDPSync(GradSync):
 
     def bytes_per_step(self) -> int:
         """Bus bytes of the last step (nccl-tests' convention; see the module)."""
-        allreduce, broadcast = self._last
+        allreduce, broadcast, _ = self._last
         n = self.world_size
         return int(allreduce * 2 * (n - 1) / n) + broadcast
 
     def comm_stats(self) -> dict:
-        allreduce, broadcast = self._last
+        allreduce, broadcast, elements = self._last
         stats = {**super().comm_stats(), "payload_bytes_per_step": allreduce + broadcast,
                  "allreduce_payload_bytes": allreduce, "broadcast_payload_bytes": broadcast,
                  "bytes_per_step_is": "bus bytes by nccl-tests' convention: payload handed to "
                                       "the backend x 2(N-1)/N for all-reduces, x 1 for broadcasts"}
-        if self.powersgd is not None:  # torch's count, elements before and after, the whole run
+        if self.cfg.compress != "none":  # the last step's, counted; with PowerSGD torch's own
+            # count too, elements before and after compression over the whole run
+            stats["compression"] = {"compress": self.cfg.compress, "elements_per_step": elements}
+        if self.powersgd is not None:
             rate, before, after = self.powersgd.compression_stats()
-            stats["compression"] = {"numel_before": before, "numel_after": after, "rate": rate}
+            stats["compression"] |= {"numel_before": before, "numel_after": after, "rate": rate}
         return stats
