@@ -134,6 +134,7 @@ class Channel:
         layout = nodes()
         mine = layout.node(self._global[self.rank])
         self._away = [layout.node(g) != mine for g in self._global]  # peer on another node
+        self._crosses = any(self._away)  # else post skips counting crossings (one message: ~1 us)
         self._link = link(layout)
 
     def exchange(self, step: int, sends=(), recvs=()) -> None:
@@ -151,10 +152,11 @@ class Channel:
                     continue
                 assert tensor.is_contiguous() and peer != self.rank, (kind, peer, self.rank)
                 ops.append((kind, self._global[peer], tensor))
-                what.append((kind, peer, chunk, tensor.numel() * tensor.element_size()))
+                what.append((kind, peer, chunk, tensor.nbytes))
         if not ops:
             return Pending(self, step, [], [])
-        away = [nbytes for kind, peer, _, nbytes in what if kind == "send" and self._away[peer]]
+        away = [nbytes for kind, peer, _, nbytes in what
+                if kind == "send" and self._away[peer]] if self._crosses else []
         for rec in _recorders():
             for kind, peer, chunk, nbytes in what:
                 if kind == "send":
