@@ -24,6 +24,12 @@ garbage. Only counts are checked, each beside the performance model's figure:
     memory         perf.memory.predict_held: what the rank would hold on its device (training
                    state, buckets, scratch; activations come on top)
 
+Because values mean nothing, the dry run skips two things a rank would do for them (`shortcuts`):
+torch's batch_isend_irecv per message (p2p posts through a transport that counts and moves
+nothing: ddp_lab/comm/p2p.py) and fresh bucket buffers per rank (every rank gets the same ones).
+The counts stay the training code's: a test checks them rank by rank against a run without the
+shortcuts (`dry_run(..., fast=False)`).
+
 Refused before any rank runs, in one line (ConfigError): a layout that cannot exist (ranks that
 are not there; a world size that is not a whole number of nodes of dist.node_size; ZeRO-3, whose
 gathers run inside forward and backward; an emulated link, which would delay nothing), a rank
@@ -54,6 +60,7 @@ from omegaconf import OmegaConf
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ddp_lab import buckets, comm, provenance
+from ddp_lab.comm import p2p
 from ddp_lab.config import Config, validate
 from ddp_lab.dist import DistInfo, destroy_group, launched_as, node_layout, nodes_as, set_nodes
 from ddp_lab.dtypes import element_size
@@ -64,6 +71,7 @@ from ddp_lab.optim import state_tensors
 from ddp_lab.perf.memory import GB, predict_held
 from ddp_lab.perf.step import ZERO_OPS, bytes_per_step
 from ddp_lab.sync import build_sync
+from ddp_lab.sync.bucketed import new_buffers
 from ddp_lab.tables import format_table
 
 VALUES = ("tensor values mean nothing on the fake backend (a receive moves nothing): only bytes, "
@@ -194,8 +202,10 @@ def check_memory(cfg, plan: Plan) -> None:
 
 # ---- the run: every rank in turn, on the fake backend -----------------------------------------
 
-def dry_run(cfg, progress: bool = False) -> dict:
-    """Check `cfg` (composed from conf/dry_run.yaml), run its ranks, return dry_run.json's dict."""
+def dry_run(cfg, progress: bool = False, fast: bool = True) -> dict:
+    """Check `cfg` (composed from conf/dry_run.yaml), run its ranks, return dry_run.json's dict.
+    fast=False: each rank through torch's batch_isend_irecv, with bucket buffers of its own: the
+    path the fast one (`shortcuts`) is checked against, rank by rank (tests/test_dry_run.py)."""
     if cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size} must be >= 1")
     with launched_as(cfg.world_size):
@@ -209,16 +219,35 @@ def dry_run(cfg, progress: bool = False) -> dict:
     device = torch.device(device_of(cfg))
     with device:
         model = _model(cfg)
+    transport, buffers = shortcuts() if fast else (p2p.torch_transport, new_buffers)
     start, rows, said = time.perf_counter(), [], time.perf_counter()
-    for i, rank in enumerate(ranks):
-        rows.append({**_in_own_thread(lambda: _one_rank(cfg, model, rank, device)),
-                     "predicted_scratch_bytes": plan.held[rank]["comm_scratch_bytes"],
-                     "predicted_memory_bytes": plan.memory(rank)})
-        if progress and time.perf_counter() - said > PROGRESS_S:
-            said, spent = time.perf_counter(), time.perf_counter() - start
-            print(f"dry run: {i + 1}/{len(ranks)} ranks, {spent:.0f} s, about "
-                  f"{spent * (len(ranks) / (i + 1) - 1):.0f} s left", file=sys.stderr, flush=True)
+    with p2p.transport(transport):
+        for i, rank in enumerate(ranks):
+            rows.append({**_in_own_thread(lambda: _one_rank(cfg, model, rank, device, buffers)),
+                         "predicted_scratch_bytes": plan.held[rank]["comm_scratch_bytes"],
+                         "predicted_memory_bytes": plan.memory(rank)})
+            if progress and time.perf_counter() - said > PROGRESS_S:
+                said, spent = time.perf_counter(), time.perf_counter() - start
+                print(f"dry run: {i + 1}/{len(ranks)} ranks, {spent:.0f} s, about "
+                      f"{spent * (len(ranks) / (i + 1) - 1):.0f} s left", file=sys.stderr,
+                      flush=True)
     return summarize(cfg, plan, rows, time.perf_counter() - start)
+
+
+def shortcuts():
+    """What the dry run may skip because values mean nothing, counts unchanged: torch's batch
+    per message (p2p's counting_transport: the counts are p2p's own, made before), and a fresh
+    set of bucket buffers per rank, whose first touch cost about 60 ms a rank of
+    AlexNet-CIFAR's 93 MB. Ranks asking for the same sizes get the same buffers; within a
+    rank each bucket still has its own."""
+    made = {}
+
+    def buffers(sizes: list[tuple]) -> list[torch.Tensor]:
+        if tuple(sizes) not in made:
+            made[tuple(sizes)] = new_buffers(sizes)
+        return made[tuple(sizes)]
+
+    return p2p.counting_transport, buffers
 
 
 def _model(cfg):
@@ -239,14 +268,16 @@ def fake_group(rank: int, world_size: int):
         destroy_group()  # (with the node groups ddp_lab.dist made on it)
 
 
-def _one_rank(cfg, model, rank: int, device: torch.device) -> dict:
-    """Rank `rank`'s step: its sync built and prepared, every bucket reduced, ZeRO's gather.
-    Receive scratch is kept, so counted, on the CPU only (ddp_lab/comm/p2p.py's `scratch`)."""
+def _one_rank(cfg, model, rank: int, device: torch.device, buffers) -> dict:
+    """Rank `rank`'s step: its sync built (its bucket buffers from `buffers`) and prepared, every
+    bucket reduced, ZeRO's gather. Receive scratch is kept, so counted, on the CPU only
+    (ddp_lab/comm/p2p.py's `scratch`)."""
     g = node_size(cfg)
     info = DistInfo(rank, rank % g, cfg.world_size, g, "fake", device)
     with fake_group(rank, cfg.world_size):
         set_nodes(g)  # sync=hring's levels: nodes of g ranks, no link (nothing moves to delay)
         sync = build_sync(cfg.sync, info)
+        sync.make_buffers = buffers
         try:
             sync.prepare(model)
             sync.finish()  # (with overlap, on the sync's own communication thread)

@@ -135,6 +135,39 @@ def test_run_writes_the_contract_and_prints_the_table(tmp_path, capsys):
     assert "bytes, busiest rank:" in printed and "dry_run.json" in printed
 
 
+def fast_and_not(*overrides: str) -> tuple[list, list]:
+    """Each rank's counts (bytes, messages, scratch, ZeRO's shards), with the dry run's shortcuts
+    and without: torch's batch_isend_irecv per message, buffers of each rank's own."""
+    cfg = compose([*SMALL, "sync.bucket_mb=1", *overrides], "dry_run")  # several buckets
+    rows = lambda out: [(r["rank"], r["bytes_sent"], r["messages"], r["scratch_bytes"],
+                         r.get("shards")) for r in out["per_rank"]]
+    return rows(dry_run(cfg)), rows(dry_run(cfg, fast=False))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overrides", [
+    ("sync=ring", "world_size=12"),  # chunks cut unevenly
+    ("sync=tree", "world_size=12"),  # on meta tensors; a partial last level
+    ("sync=hring", "world_size=12", "dist.node_size=4"),  # subgroups
+    ("sync=ring", "world_size=6", "sync.zero=2"),  # ZeRO-2's pooled buffers, the gather
+])
+def test_the_shortcuts_count_what_torch_fake_backend_counts(overrides):
+    fast, real = fast_and_not(*overrides)
+    assert fast == real
+
+
+def test_a_planted_miscount_fails_the_comparison(monkeypatch):
+    # The shortcut most likely to go wrong: buffers lent by size. One element too many a bucket
+    # moves the ring's chunk boundaries, so some ranks' bytes, and the comparison must see it.
+    import ddp_lab.dry_run as dr
+
+    transport, _ = dr.shortcuts()
+    longer = lambda sizes: dr.new_buffers([(n + 1, dtype, dev) for n, dtype, dev in sizes])
+    monkeypatch.setattr(dr, "shortcuts", lambda: (transport, longer))
+    fast, real = fast_and_not("sync=ring", "world_size=12")
+    assert fast != real and [r[2] for r in fast] == [r[2] for r in real]  # bytes, not messages
+
+
 def test_cpu_and_meta_count_alike():
     common = ("world_size=5", "sync=tree", "sync.zero=1", "sync.bucket_mb=1")
     on_cpu, on_meta = counted(*common, "dry_run.device=cpu"), counted(*common, "dry_run.device=meta")

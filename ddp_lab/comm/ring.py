@@ -85,7 +85,8 @@ def _ring(flat: torch.Tensor, ch: Channel, steps: range, shift: int) -> None:
     right, left = (r + 1) % n, (r - 1) % n
     chunks = torch.tensor_split(flat, n)  # the largest first
     m = slices_per_chunk(chunks[0].numel(), flat.element_size())
-    bufs = scratch(flat, -(-chunks[0].numel() // m), 2)  # two, each of the largest slice
+    # two, each of the largest slice, as two tensors: indexing the pair would make a view a message
+    bufs = scratch(flat, -(-chunks[0].numel() // m), 2).unbind()
     pending, i = None, 0  # the slice in flight; slices posted so far (alternates the scratch)
     for s in steps:
         reduce = s < n - 1

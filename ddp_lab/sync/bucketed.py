@@ -102,6 +102,7 @@ class BucketedSync(GradSync):
         self.compression = (CompressedBuckets(scfg, device)
                             if scfg.compress in ("powersgd", "topk") else None)
         self.device, self.world_size, self.group = device, world_size, group
+        self.make_buffers = new_buffers  # the dry run lends every rank the same (dry_run.py)
         self.cuda = device.type == "cuda"
         self.params: list[nn.Parameter] = []
         self.buckets: list[Bucket] = []
@@ -163,7 +164,7 @@ class BucketedSync(GradSync):
 
     def _bucket_buffers(self, sizes: list[tuple]) -> list[torch.Tensor]:
         """A flat buffer per bucket, (numel, dtype, device) each, kept for the whole run."""
-        return [torch.zeros(numel, dtype=dtype, device=device) for numel, dtype, device in sizes]
+        return self.make_buffers(sizes)
 
     # ---- the step ----
 
@@ -370,6 +371,11 @@ class BucketedSync(GradSync):
 for _algo in comm.OURS:
     SYNCS.register(_algo, BucketedSync, reads=("bucket_mb", "overlap", "comm_dtype", "compress",
                                                "zero", "reshard_after_forward"))
+
+
+def new_buffers(sizes: list[tuple]) -> list[torch.Tensor]:
+    """Fresh zeros, one flat tensor per (numel, dtype, device)."""
+    return [torch.zeros(numel, dtype=dtype, device=device) for numel, dtype, device in sizes]
 
 
 def comm_dtype(name: str) -> torch.dtype | None:

@@ -102,7 +102,8 @@ class ShardedSync(BucketedSync):
         for numel, dtype, device in sizes:
             if (dtype, device) not in self._pools:
                 numels = [n for n, d, v in sizes if (d, v) == (dtype, device)]
-                self._pools[(dtype, device)] = BufferPool(numels, dtype, device)
+                self._pools[(dtype, device)] = BufferPool(numels, dtype, device,
+                                                          self.make_buffers)
         return [self._pools[(dtype, device)].buffers[0][:numel] for numel, dtype, device in sizes]
 
     # ---- the step ----
@@ -310,9 +311,10 @@ class BufferPool:
     to the communication thread hold them, and the largest holds any bucket. CUDA: the borrowing
     stream waits for the last user's work on the buffer."""
 
-    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device):
-        self.buffers = [torch.zeros(n, dtype=dtype, device=device)
-                        for n in sorted(numels, reverse=True)[:IN_FLIGHT]]
+    def __init__(self, numels: list[int], dtype: torch.dtype, device: torch.device,
+                 make_buffers):  # the sync's: (numel, dtype, device) each -> a buffer each
+        self.buffers = make_buffers([(n, dtype, device)
+                                     for n in sorted(numels, reverse=True)[:IN_FLIGHT]])
         self._free = set(range(len(self.buffers)))
         self._returned = threading.Condition()
         self._released: list = [None] * len(self.buffers)  # CUDA: after the last user's work
