@@ -1,7 +1,8 @@
 """Bad input beyond test_cli_errors.py: each fails with one clear line and a non-zero exit, and
 nothing already on disk is overwritten or lost. (Covered there: an unknown group option or key,
 batch size 0, a missing data root, NCCL without GPUs, world size larger than the data, --multirun
-inside torchrun.)"""
+inside torchrun.) Refusals that main() makes run forked (launchers.ranks, nproc=0), as there; a
+fresh interpreter where the test needs its own working directory or permissions."""
 
 import os
 import sys
@@ -14,7 +15,7 @@ from ddp_lab import checkpoint
 from ddp_lab.config import ConfigError, validate
 from background import background
 from helpers import compose_config
-from launchers import python_module, run_cmd
+from launchers import python_module, ranks, run_cmd
 
 
 def assert_clean_failure(proc, needle: str, code: int = 2):
@@ -42,7 +43,7 @@ def snapshot(run_dir) -> dict:
 
 @background(cost=10)
 def misspelled_value(tmp_path):
-    return python_module(["train.resume=atuo", f"hydra.run.dir={tmp_path}"], timeout=120)
+    return ranks(["train.resume=atuo", f"hydra.run.dir={tmp_path}"], nproc=0, timeout=120)
 
 
 @background(cost=10)
@@ -51,8 +52,8 @@ def corrupted_data_root(tmp_path):
     (root / "cifar-10-batches-py").mkdir(parents=True)
     for name in ["data_batch_1", "test_batch", "batches.meta"]:
         (root / "cifar-10-batches-py" / name).write_bytes(b"not a pickle")
-    return python_module(["data=cifar10", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"],
-                         timeout=120)
+    return ranks(["data=cifar10", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"],
+                 nproc=0, timeout=120)
 
 
 @background(cost=8, keys=["file", "outputs"])
@@ -62,7 +63,7 @@ def run_dir_under_a_regular_file(file, tmp_path):
     from tmp_path (resolved from ${hydra:...})."""
     (tmp_path / file).write_text("keep me")
     if file == "file":
-        return python_module([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], timeout=120), tmp_path
+        return ranks([f"hydra.run.dir={tmp_path / 'file' / 'run'}"], nproc=0, timeout=120), tmp_path
     return run_cmd([sys.executable, "-m", "ddp_lab.train", "train.max_steps=1"], timeout=120,
                    cwd=str(tmp_path)), tmp_path
 
@@ -170,8 +171,8 @@ def test_resuming_into_a_run_dir_of_an_incompatible_config_touches_nothing(unint
     run = uninterrupted["ddp"]
     before = snapshot(run)
     lr = compose_config([]).optim.lr
-    proc = python_module([f"hydra.run.dir={run}", "data=synthetic", f"optim.lr={lr * 2}"],
-                         timeout=120)
+    proc = ranks([f"hydra.run.dir={run}", "data=synthetic", f"optim.lr={lr * 2}"], nproc=0,
+                 timeout=120)
     assert_clean_failure(proc, "was written by a different config")
     assert "world_size: 2 -> 1" in proc.stderr and f"optim.lr: {lr} -> {lr * 2}" in proc.stderr
     assert "nothing was loaded or written" in proc.stderr

@@ -10,7 +10,7 @@ import torch
 from ddp_lab.bench import gemm
 from background import background
 from helpers import bench_rows
-from launchers import python_module, ranks
+from launchers import ranks
 
 
 @background(cost=5)
@@ -24,7 +24,7 @@ def gemm_on_the_cpu(out):
 @background(cost=4)
 def gemm_cuda_without_a_gpu(_):
     """Launched only where its test runs: without a GPU (background.py skips a skipped test's)."""
-    return python_module(["device=cuda"], module="ddp_lab.bench.gemm", timeout=60)
+    return ranks(["device=cuda"], nproc=0, module="ddp_lab.bench.gemm", timeout=60)
 
 
 @pytest.fixture(scope="module")

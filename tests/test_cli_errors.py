@@ -1,12 +1,14 @@
 """Bad input: one clear message, a non-zero exit, no traceback from inside our code or torch.
 
 Every launch here needs nothing but a directory: each is a background fixture (tests/README.md),
-and each test reads its own."""
+and each test reads its own. The refused configs run forked (launchers.ranks, nproc=0: main() as
+`python -m` runs it), as what they check comes from main(), not start-up; a fresh interpreter's
+whole stderr, start-up included, is test_config_audit.py's one line."""
 
 import pytest
 
 from background import background
-from launchers import python_module, torchrun
+from launchers import ranks, torchrun
 
 BAD_CONFIGS = [  # (args, needle, exit code)
     (["model=resnet"], "Available options in 'model'", 1),  # Hydra's own message lists choices
@@ -21,13 +23,13 @@ BAD_CONFIGS = [  # (args, needle, exit code)
 @background(cost=5, keys=range(len(BAD_CONFIGS)))
 def bad_config(i, run_dir):
     """BAD_CONFIGS[i], launched."""
-    return python_module(BAD_CONFIGS[i][0] + [f"hydra.run.dir={run_dir}"], timeout=120)
+    return ranks(BAD_CONFIGS[i][0] + [f"hydra.run.dir={run_dir}"], nproc=0, timeout=120)
 
 
 @background(cost=5)
 def nccl_without_gpus(run_dir):
-    return python_module(["dist.backend=nccl", f"hydra.run.dir={run_dir}"], timeout=120,
-                         extra_env={"CUDA_VISIBLE_DEVICES": ""})
+    return ranks(["dist.backend=nccl", f"hydra.run.dir={run_dir}"], nproc=0, timeout=120,
+                 extra_env={"CUDA_VISIBLE_DEVICES": ""})
 
 
 @background(cost=10)
