@@ -58,6 +58,14 @@ class GradSync:
     def close(self) -> None:
         """Remove hooks and stop helper threads (optional: they are daemons)."""
 
+    def check_nonfinite(self) -> torch.Tensor | None:
+        """From now on flag inf/NaN in each step's averaged gradients as the sync makes them:
+        returns the flag, a one-element device tensor that is 1.0 after a synchronised step
+        where a gradient the optimizer reads held one (cleared as the next step's reduction
+        starts), or None where the sync does not see every such gradient (the guard then reads
+        them itself: ddp_lab/guard.py)."""
+        return None
+
     # ---- the optimizer: every parameter here; with ZeRO, this rank's shard (sync/zero.py) ----
 
     def build_optimizer(self, model: nn.Module, cls: type, kwargs: dict) -> torch.optim.Optimizer:

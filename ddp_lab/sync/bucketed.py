@@ -46,6 +46,11 @@ compress=powersgd|topk
     the all-reduce (ddp_lab/sync/compressed.py: compress_start, the counts, the checkpointed
     state).
 
+non-finite check (`check_nonfinite`, once the guard asks)
+    After each bucket's unpack, its averaged gradients' norms set the guard's inf/NaN flag (ZeRO:
+    the shard's, zero.py), on the communication thread while backward goes on: the guard then
+    reads no gradient itself (ddp_lab/guard.py).
+
 Counting: every byte goes through ddp_lab.comm's point-to-point layer; bytes_per_step() is what
 this rank sent between two finish() calls, counted (comm_stats' messages_per_step: in how many
 messages), and comm_busy_ms() the time the communication spent inside all-reduce calls in that
@@ -115,6 +120,8 @@ class BucketedSync(GradSync):
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA
         self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
         self._calls: dict[str, int] = {}  # collectives run this step, by name (counted ones)
+        self._nonfinite: torch.Tensor | None = None  # the guard's flag, once it asks (below)
+        self._one: torch.Tensor | None = None
         self._last = {"bytes_per_step": 0, "messages_per_step": 0, "comm_busy_ms": float("nan"),
                       "launched_in_backward": 0, "collectives": {}}
         self._reset_step()
@@ -251,6 +258,27 @@ class BucketedSync(GradSync):
                     torch.div(view, self.world_size, out=p.grad)  # SUM then divide, in the unpack
                 else:
                     p.grad.copy_(view)  # (low dtype: divided before the cast; compressed: averaged)
+            self._flag_nonfinite(b, [p.grad for p in bucket.params])
+
+    def check_nonfinite(self) -> torch.Tensor:
+        if self._nonfinite is None:
+            self._nonfinite = torch.zeros(1, device=self.device)
+            self._one = torch.ones(1, device=self.device)
+        return self._nonfinite
+
+    def _flag_nonfinite(self, b: int, grads: list[torch.Tensor]) -> None:
+        """Once the guard asked (`check_nonfinite`): set its flag if bucket b's averaged
+        gradients hold an inf/NaN, where they were just written (the communication thread,
+        beside backward). The guard's own test: each tensor's L2 norm (one read pass, inf/NaN iff
+        an element is or the squares overflow fp32), flagged by GradScaler's multi-tensor check
+        with a scale of 1; the same tensors' norms, so the same verdicts. Buckets run in order,
+        each once a step: the first clears the last step's flag."""
+        if self._nonfinite is None:
+            return
+        if b == 0:
+            self._nonfinite.zero_()
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        torch._amp_foreach_non_finite_check_and_unscale_(norms, self._nonfinite, self._one)
 
     def _ops(self, b: int) -> Ops:
         """The collectives a compressor runs on bucket b: the sync's own, counted and traced."""
