@@ -4,9 +4,10 @@
   and of every gradient on the device (one read pass; a norm is inf/NaN iff some element is, or
   when a tensor's finite squares sum past fp32's range, an element of about 1.8e19 or more: skip
   that too). Where the sync offers it (`GradSync.check_nonfinite`: our bucketed syncs, ZeRO
-  too) the sync takes those gradient norms bucket by bucket as it averages them, on its
-  communication thread beside backward, because the guard's own pass over every gradient after
-  the sync sits on the step's critical path at memory bandwidth. With more than one rank it
+  too) each rank checks its 1/N of every bucket the sync averaged (all ranks hold the same
+  average, so the parts cover it), on the communication thread beside backward, because the
+  guard's own pass over every gradient after the sync sits on the step's critical path at
+  memory bandwidth. With more than one rank it
   all-reduces a per-rank [loss, gradients] flag, so ranks decide together, never alone. The
   verdict stays on the device: a fused optimizer (the default) skips the update itself through its
   `found_inf` input, the mechanism GradScaler uses, so parameters, momentum and weight decay are

@@ -47,9 +47,10 @@ compress=powersgd|topk
     state).
 
 non-finite check (`check_nonfinite`, once the guard asks)
-    After each bucket's unpack, its averaged gradients' norms set the guard's inf/NaN flag (ZeRO:
-    the shard's, zero.py), on the communication thread while backward goes on: the guard then
-    reads no gradient itself (ddp_lab/guard.py).
+    After each bucket's all-reduce, this rank's 1/N of it (ZeRO: its shard, zero.py) sets the
+    guard's inf/NaN flag, on the communication thread while backward goes on; the guard's
+    all-reduce of the ranks' flags covers the rest, and it reads no gradient itself
+    (ddp_lab/guard.py).
 
 Counting: every byte goes through ddp_lab.comm's point-to-point layer; bytes_per_step() is what
 this rank sent between two finish() calls, counted (comm_stats' messages_per_step: in how many
@@ -258,7 +259,7 @@ class BucketedSync(GradSync):
                     torch.div(view, self.world_size, out=p.grad)  # SUM then divide, in the unpack
                 else:
                     p.grad.copy_(view)  # (low dtype: divided before the cast; compressed: averaged)
-            self._flag_nonfinite(b, [p.grad for p in bucket.params])
+            self._flag_nonfinite(b, [self._my_part(bucket.buffer)])
 
     def check_nonfinite(self) -> torch.Tensor:
         if self._nonfinite is None:
@@ -266,21 +267,27 @@ class BucketedSync(GradSync):
             self._one = torch.ones(1, device=self.device)
         return self._nonfinite
 
-    def _flag_nonfinite(self, b: int, grads: list[torch.Tensor]) -> None:
-        """Once the guard asked (`check_nonfinite`): set its flag if bucket b's averaged
-        gradients hold an inf/NaN, where they were just written (the communication thread,
-        beside backward). The guard's own test: each tensor's L2 norm (one read pass, inf/NaN iff
-        an element is or the squares overflow fp32), flagged by GradScaler's multi-tensor check
-        with a scale of 1; the same tensors' norms, so the same verdicts (`isfinite(t).all()`
-        is several passes and a bool temporary: 17x slower on one thread). It lengthens the
-        communication thread's work: free where that thread waits for backward, not where it is
-        the step's critical path. Buckets run in order, each once a step: the first clears the
-        last step's flag."""
+    def _my_part(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/N of an averaged bucket (ZeRO's shard of it): every rank holds the same
+        result of the all-reduce, so the ranks' parts cover it once, and the guard's all-reduce
+        of the flags gives every rank the whole verdict for 1/N of the reading."""
+        if self.world_size == 1:
+            return buffer
+        return comm.shard(buffer, dist.get_rank(self.group), self.world_size)
+
+    def _flag_nonfinite(self, b: int, parts: list[torch.Tensor]) -> None:
+        """Once the guard asked (`check_nonfinite`): set its flag if `parts` of bucket b (this
+        rank's part of the reduced bucket; ZeRO: its shard) hold an inf/NaN, on the communication
+        thread beside backward. The test is the guard's own: each tensor's L2 norm (one read
+        pass; inf/NaN iff an element is, or the squares overflow fp32) flagged by GradScaler's
+        multi-tensor check with a scale of 1 (`isfinite(t).all()` is several passes and a bool
+        temporary: 17x slower on one thread). Buckets run in order, each once a step: the first
+        clears the last step's flag."""
         if self._nonfinite is None:
             return
         if b == 0:
             self._nonfinite.zero_()
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        norms = torch._foreach_norm(parts, 2, dtype=torch.float32)
         torch._amp_foreach_non_finite_check_and_unscale_(norms, self._nonfinite, self._one)
 
     def _ops(self, b: int) -> Ops:
