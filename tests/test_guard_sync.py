@@ -3,8 +3,8 @@
 process groups in process: a NaN made in backward in one parameter's gradient on one rank skips
 that step on every rank and only that step, for a parameter of the first bucket reduced and of
 the last, at its first and last element (so in different ranks' parts), at ZeRO-0, 2 and 3,
-with accumulation, at one rank; and the guard then reads no gradient itself (torch DDP: it
-still reads them all)."""
+with accumulation, at one rank, and under torch DDP (its comm hook checks the same way); and
+the guard then reads no gradient itself."""
 
 from __future__ import annotations
 
@@ -107,12 +107,17 @@ FIRST_BUCKET, LAST_BUCKET = 4, 0
     (2, "ring", 0, LAST_BUCKET, 1, 0), (2, "ring", 0, LAST_BUCKET, 1, -1),
     (2, "ring", 2, FIRST_BUCKET, 1, 0), (2, "ring", 2, LAST_BUCKET, 1, 0),
     (2, "ring", 3, LAST_BUCKET, 1, 0), (2, "ring", 2, LAST_BUCKET, 2, 0),
-    (2, "ring", 0, FIRST_BUCKET, 2, 0), (1, "ring", 0, LAST_BUCKET, 1, 0)])
+    (2, "ring", 0, FIRST_BUCKET, 2, 0), (1, "ring", 0, LAST_BUCKET, 1, 0),
+    # DDP: one bucket for this model (its first bucket may hold 1 MiB), so the last layer's
+    # weight starts it, in rank 0's part, and the conv's weight ends it, in rank 1's.
+    (2, "ddp", 0, FIRST_BUCKET, 1, 0), (2, "ddp", 0, LAST_BUCKET, 1, -1),
+    (2, "ddp", 0, LAST_BUCKET, 2, -1), (1, "ddp", 0, LAST_BUCKET, 1, 0)])
 def test_a_nan_in_one_gradient_on_one_rank_skips_that_step_only_on_every_rank(
         n, name, zero, poison, accum, where):
     results = spawn(_train, n, name, zero, poison, accum, where, timeout=110)
     buckets = results[0]["buckets"]
-    assert poison in (buckets[0] if poison == FIRST_BUCKET else buckets[-1]) and len(buckets) > 2
+    if name != "ddp":  # (DDP's buckets live in its C++ reducer)
+        assert poison in (buckets[0] if poison == FIRST_BUCKET else buckets[-1]) and len(buckets) > 2
     for r in results:
         assert r["skipped"] == [POISONED], r  # and the flag was cleared for the steps after it
         assert r["moved"] == [s != POISONED for s in range(1, STEPS + 1)], r
@@ -120,10 +125,3 @@ def test_a_nan_in_one_gradient_on_one_rank_skips_that_step_only_on_every_rank(
         # Averaged, the NaN is on every rank; the rank whose part of the bucket holds it flags it.
         assert not any(loss_row) and any(grad_row), r
         assert r["read"] == [1] * STEPS, r  # the loss only: the sync flagged the gradients
-
-
-def test_under_torch_ddp_the_guard_still_reads_every_gradient():
-    (r0, r1) = spawn(_train, 2, "ddp", 0, FIRST_BUCKET, 1, timeout=110)
-    for r in (r0, r1):
-        assert r["skipped"] == [POISONED], r
-        assert r["read"] == [1 + r["params"]] * STEPS, r

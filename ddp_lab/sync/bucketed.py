@@ -72,7 +72,7 @@ from ddp_lab import buckets, comm
 from ddp_lab.dtypes import DTYPES
 from ddp_lab.comm.p2p import Recorder, recording
 from ddp_lab.compress import Ops
-from ddp_lab.sync.base import GradSync
+from ddp_lab.sync.base import GradSync, NonfiniteFlag
 from ddp_lab.sync.comm_thread import CommThread
 from ddp_lab.sync.compressed import CompressedBuckets
 from ddp_lab.sync.config import SYNCS, wire_dtype
@@ -121,8 +121,7 @@ class BucketedSync(GradSync):
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA
         self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
         self._calls: dict[str, int] = {}  # collectives run this step, by name (counted ones)
-        self._nonfinite: torch.Tensor | None = None  # the guard's flag, once it asks (below)
-        self._one: torch.Tensor | None = None
+        self._nonfinite: NonfiniteFlag | None = None  # the guard's, once it asks (below)
         self._last = {"bytes_per_step": 0, "messages_per_step": 0, "comm_busy_ms": float("nan"),
                       "launched_in_backward": 0, "collectives": {}}
         self._reset_step()
@@ -263,9 +262,8 @@ class BucketedSync(GradSync):
 
     def check_nonfinite(self) -> torch.Tensor:
         if self._nonfinite is None:
-            self._nonfinite = torch.zeros(1, device=self.device)
-            self._one = torch.ones(1, device=self.device)
-        return self._nonfinite
+            self._nonfinite = NonfiniteFlag(self.device)
+        return self._nonfinite.flag
 
     def _my_part(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's 1/N of an averaged bucket (ZeRO's shard of it): every rank holds the same
@@ -276,19 +274,14 @@ class BucketedSync(GradSync):
         return comm.shard(buffer, dist.get_rank(self.group), self.world_size)
 
     def _flag_nonfinite(self, b: int, parts: list[torch.Tensor]) -> None:
-        """Once the guard asked (`check_nonfinite`): set its flag if `parts` of bucket b (this
-        rank's part of the reduced bucket; ZeRO: its shard) hold an inf/NaN, on the communication
-        thread beside backward. The test is the guard's own: each tensor's L2 norm (one read
-        pass; inf/NaN iff an element is, or the squares overflow fp32) flagged by GradScaler's
-        multi-tensor check with a scale of 1 (`isfinite(t).all()` is several passes and a bool
-        temporary: 17x slower on one thread). Buckets run in order, each once a step: the first
-        clears the last step's flag."""
+        """Once the guard asked (`check_nonfinite`): flag inf/NaN in `parts` of bucket b (this
+        rank's part of the reduced bucket; ZeRO: its shard), on the communication thread beside
+        backward. Buckets run in order, each once a step: the first clears the last step's flag."""
         if self._nonfinite is None:
             return
         if b == 0:
-            self._nonfinite.zero_()
-        norms = torch._foreach_norm(parts, 2, dtype=torch.float32)
-        torch._amp_foreach_non_finite_check_and_unscale_(norms, self._nonfinite, self._one)
+            self._nonfinite.clear()
+        self._nonfinite.check(parts)
 
     def _ops(self, b: int) -> Ops:
         """The collectives a compressor runs on bucket b: the sync's own, counted and traced."""
