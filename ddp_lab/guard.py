@@ -3,7 +3,11 @@
 * Non-finite loss or gradients. After the gradient sync the guard checks the L2 norms of the loss
   and of every gradient on the device (one read pass; a norm is inf/NaN iff some element is, or
   when a tensor's finite squares sum past fp32's range, an element of about 1.8e19 or more: skip
-  that too). With more than one rank it
+  that too). Where the sync offers it (`GradSync.check_nonfinite`: our bucketed syncs, ZeRO
+  too) each rank checks its 1/N of every bucket the sync averaged (all ranks hold the same
+  average, so the parts cover it), on the communication thread beside backward, because the
+  guard's own pass over every gradient after the sync sits on the step's critical path at
+  memory bandwidth. With more than one rank it
   all-reduces a per-rank [loss, gradients] flag, so ranks decide together, never alone. The
   verdict stays on the device: a fused optimizer (the default) skips the update itself through its
   `found_inf` input, the mechanism GradScaler uses, so parameters, momentum and weight decay are
@@ -22,7 +26,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab.errors import TrainingError
-from ddp_lab.sync.base import local_tensor, whole_tensor
+from ddp_lab.sync.base import GradSync, local_tensor, whole_tensor
 
 log = logging.getLogger("ddp_lab")
 
@@ -59,11 +62,16 @@ class Guard:
     decides on every rank alike."""
 
     def __init__(self, tcfg, info, model: torch.nn.Module, scaler, total_steps: int,
-                 unsharded=contextlib.nullcontext):
+                 sync: GradSync | None = None):
         self.policy, self.every = tcfg.nonfinite, tcfg.consistency_every
         self.info, self.scaler = info, scaler
         self.params = list(model.parameters())
-        self.unsharded = unsharded  # the sync's: ZeRO-3 gathers the parameters to compare them
+        sync = sync or GradSync()
+        self.unsharded = sync.unsharded  # ZeRO-3 gathers the parameters to compare them
+        # The sync's inf/NaN flag over the gradients it averaged (see the module), or None: read
+        # them here. Not asked for where nothing reads it.
+        self._synced = (sync.check_nonfinite()
+                        if self.policy != "off" and not scaler.is_enabled() else None)
         self.last_step = total_steps
         self.skipped: list[int] = []
         self.checks = 0
@@ -86,16 +94,19 @@ class Guard:
         if self._one is None:
             self._one = torch.ones(1, device=loss.device)
         # The optimizer's gradients: the model's, or with ZeRO this rank's shards of them (the
-        # flags below are all-reduced, so every rank sees every shard's verdict).
-        grads = [local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"]
-                 if p.grad is not None]
+        # flags below are all-reduced, so every rank sees every shard's verdict); none where the
+        # sync flagged them.
+        grads = [] if self._synced is not None else [
+            local_tensor(p.grad) for g in optimizer.param_groups for p in g["params"]
+            if p.grad is not None]
         # L2, not L1: the same one read pass, and on the CPU torch's L2 kernel is 3.3x faster
         # (docs/results/cpu-guard-cost)
         norms = torch._foreach_norm([loss, *grads], 2, dtype=torch.float32)
         if self.info.world_size == 1:
             # Made in the step (a graph replays it); a scalar, as fused AdamW's step counts are.
             found = torch.zeros((), device=loss.device)
-            self._flag_non_finite(norms, found)
+            self._flag_gradients(norms[1:], found)
+            self._flag_non_finite(norms[:1], found)
             detail = loss  # which one it was is worked out on the host, for a flagged step only
         else:
             # [loss, gradients] x rank, each rank filling its own column: all ranks decide
@@ -103,7 +114,7 @@ class Guard:
             r = self.info.rank
             detail = torch.zeros(2, self.info.world_size, device=loss.device)
             self._flag_non_finite(norms[:1], detail[0, r:r + 1])
-            self._flag_non_finite(norms[1:], detail[1, r:r + 1])
+            self._flag_gradients(norms[1:], detail[1, r:r + 1])
             dist.all_reduce(detail)  # columns are disjoint: entries stay 0/1
             found = detail.amax()
         if _fused(optimizer) and (optimizer.state or _stateless(optimizer)):
@@ -113,6 +124,14 @@ class Guard:
             # buffers uninitialised when skipped): decide on the host now.
             optimizer.zero_grad(set_to_none=True)  # no gradients: the optimizer step is a no-op
         self._pending.append(Verdict(step, found, detail))
+
+    def _flag_gradients(self, norms: list[torch.Tensor], flag: torch.Tensor) -> None:
+        """Set the zeroed `flag` to 1.0 if the gradients hold an inf/NaN: the sync's verdict
+        (copied: the sync clears its flag next step), else from their `norms`."""
+        if self._synced is not None:
+            flag.copy_(self._synced.view_as(flag))
+        else:
+            self._flag_non_finite(norms, flag)
 
     def _flag_non_finite(self, tensors: list[torch.Tensor], flag: torch.Tensor) -> None:
         """Set the zeroed one-element `flag` to 1.0 if any value in `tensors` is inf/NaN:

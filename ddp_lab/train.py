@@ -170,7 +170,7 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     if info.is_main:  # (after restore: a checkpoint it refuses leaves the run dir untouched)
         resume.clean_stale(run_dir)
     guard = Guard(cfg.train, info, parts.model, parts.precision.scaler, length.total_steps,
-                  parts.sync.unsharded)
+                  sync=parts.sync)
     faults = Faults(cfg.fault, info.rank, info.world_size, parts.model)
     logger = make_logger(run_dir, info.is_main)
     closing.callback(logger.close)

@@ -160,7 +160,7 @@ def _skipped_at_stage3(rank, n):
                                                        enabled=scaled))
         guard = Guard(SimpleNamespace(nonfinite="skip", consistency_every=0),
                       SimpleNamespace(rank=rank, world_size=n), model, scaler, total_steps=2,
-                      unsharded=sync.unsharded)
+                      sync=sync)
         for step in (1, 2):
             x, y = batch(rank, step, 0)
             loss = nn.functional.cross_entropy(model(x), y)

@@ -46,6 +46,12 @@ compress=powersgd|topk
     the all-reduce (ddp_lab/sync/compressed.py: compress_start, the counts, the checkpointed
     state).
 
+non-finite check (`check_nonfinite`, once the guard asks)
+    After each bucket's all-reduce, this rank's 1/N of it (ZeRO: its shard, zero.py) sets the
+    guard's inf/NaN flag, on the communication thread while backward goes on; the guard's
+    all-reduce of the ranks' flags covers the rest, and it reads no gradient itself
+    (ddp_lab/guard.py).
+
 Counting: every byte goes through ddp_lab.comm's point-to-point layer; bytes_per_step() is what
 this rank sent between two finish() calls, counted (comm_stats' messages_per_step: in how many
 messages), and comm_busy_ms() the time the communication spent inside all-reduce calls in that
@@ -66,7 +72,7 @@ from ddp_lab import buckets, comm
 from ddp_lab.dtypes import DTYPES
 from ddp_lab.comm.p2p import Recorder, recording
 from ddp_lab.compress import Ops
-from ddp_lab.sync.base import GradSync
+from ddp_lab.sync.base import GradSync, NonfiniteFlag
 from ddp_lab.sync.comm_thread import CommThread
 from ddp_lab.sync.compressed import CompressedBuckets
 from ddp_lab.sync.config import SYNCS, wire_dtype
@@ -115,6 +121,7 @@ class BucketedSync(GradSync):
         self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA
         self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
         self._calls: dict[str, int] = {}  # collectives run this step, by name (counted ones)
+        self._nonfinite: NonfiniteFlag | None = None  # the guard's, once it asks (below)
         self._last = {"bytes_per_step": 0, "messages_per_step": 0, "comm_busy_ms": float("nan"),
                       "launched_in_backward": 0, "collectives": {}}
         self._reset_step()
@@ -251,6 +258,30 @@ class BucketedSync(GradSync):
                     torch.div(view, self.world_size, out=p.grad)  # SUM then divide, in the unpack
                 else:
                     p.grad.copy_(view)  # (low dtype: divided before the cast; compressed: averaged)
+            self._flag_nonfinite(b, [self._my_part(bucket.buffer)])
+
+    def check_nonfinite(self) -> torch.Tensor:
+        if self._nonfinite is None:
+            self._nonfinite = NonfiniteFlag(self.device)
+        return self._nonfinite.flag
+
+    def _my_part(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/N of an averaged bucket (ZeRO's shard of it): every rank holds the same
+        result of the all-reduce, so the ranks' parts cover it once, and the guard's all-reduce
+        of the flags gives every rank the whole verdict for 1/N of the reading."""
+        if self.world_size == 1:
+            return buffer
+        return comm.shard(buffer, dist.get_rank(self.group), self.world_size)
+
+    def _flag_nonfinite(self, b: int, parts: list[torch.Tensor]) -> None:
+        """Once the guard asked (`check_nonfinite`): flag inf/NaN in `parts` of bucket b (this
+        rank's part of the reduced bucket; ZeRO: its shard), on the communication thread beside
+        backward. Buckets run in order, each once a step: the first clears the last step's flag."""
+        if self._nonfinite is None:
+            return
+        if b == 0:
+            self._nonfinite.clear()
+        self._nonfinite.check(parts)
 
     def _ops(self, b: int) -> Ops:
         """The collectives a compressor runs on bucket b: the sync's own, counted and traced."""

@@ -28,8 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_lab import comm
 from ddp_lab.dtypes import DTYPES
-from ddp_lab.sync.base import GradSync
+from ddp_lab.sync.base import GradSync, NonfiniteFlag
 from ddp_lab.sync.config import SYNCS
 
 
@@ -166,6 +167,7 @@ class DDPSync(GradSync):
         self.handed = Handed()
         self.powersgd = None  # torch's PowerSGDState with sync.compress=powersgd
         self._last = (0, 0, 0)  # the last step's Handed.take()
+        self._nonfinite: NonfiniteFlag | None = None  # the guard's, once it asks (_flagging)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         self.ddp = DistributedDataParallel(
@@ -178,8 +180,37 @@ class DDPSync(GradSync):
         hook, state = self._hook()
         if self.tracer is not None:
             hook = timed_hook(hook, self.tracer)
-        self.ddp.register_comm_hook(state, hook)
+        self.ddp.register_comm_hook(state, self._flagging(hook))
         return self.ddp
+
+    def check_nonfinite(self) -> torch.Tensor:
+        if self._nonfinite is None:
+            self._nonfinite = NonfiniteFlag(self.device)
+        return self._nonfinite.flag
+
+    def _flagging(self, hook):
+        """`hook`, then, once the guard asked (`check_nonfinite`), this rank's 1/N of each
+        averaged bucket checked for inf/NaN in the hook's callback: beside backward, as our
+        syncs do (ddp_lab/sync/bucketed.py). Every rank holds the same average, so the parts
+        cover it once. DDP launches its buckets in index order, once a step: bucket 0 clears
+        the last step's flag."""
+        rank = dist.get_rank() if self.world_size > 1 else 0
+
+        def flagging(state, bucket):
+            flag = self._nonfinite
+            if flag is None:
+                return hook(state, bucket)
+            if bucket.index() == 0:
+                flag.clear()
+
+            def check(fut):
+                averaged = fut.value()
+                flag.check([comm.shard(averaged, rank, self.world_size)])
+                return averaged
+
+            return hook(state, bucket).then(check)
+
+        return flagging
 
     def _hook(self):
         """(DDP's comm hook, its state), its all-reduces counted by self.handed: torch's own hooks

@@ -149,6 +149,7 @@ class ShardedSync(BucketedSync):
                     torch.div(mine, n, out=self.grads[b])  # SUM then divide, as zero=0 unpacks
                 else:
                     self.grads[b].copy_(mine)  # (low dtype: divided before the cast already)
+                self._flag_nonfinite(b, [self.grads[b]])  # what the optimizer reads: the shard's
         finally:
             if lent is not None:
                 self._pools[(buffer.dtype, buffer.device)].give_back(lent)
