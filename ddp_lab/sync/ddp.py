@@ -85,6 +85,32 @@ def timed_hook(hook, tracer):
     return traced
 
 
+def flagging_hook(hook, armed: list[NonfiniteFlag], rank: int, world_size: int):
+    """`hook`, then, once `armed` holds the guard's flag (DDPSync.check_nonfinite), this rank's
+    1/N of each averaged bucket checked for inf/NaN in the hook's callback: beside backward, as
+    our syncs do (ddp_lab/sync/bucketed.py). Every rank holds the same average, so the parts
+    cover it once. DDP launches its buckets in index order, once a step: bucket 0 clears the
+    last step's flag. The hook must not hold the sync: DDP's C++ reducer holds the hook, and a
+    cycle through it, which Python's collector cannot see, would keep the process group (and
+    gloo's threads) alive after the run (tests/test_dist.py)."""
+
+    def flagging(state, bucket):
+        if not armed:
+            return hook(state, bucket)
+        flag = armed[0]
+        if bucket.index() == 0:
+            flag.clear()
+
+        def check(fut):
+            averaged = fut.value()
+            flag.check([comm.shard(averaged, rank, world_size)])
+            return averaged
+
+        return hook(state, bucket).then(check)
+
+    return flagging
+
+
 class Handed:
     """Payload bytes and elements handed to the backend since the last `take()`, by collective:
     all-reduces as the hooks make them through `self.dist`, broadcasts as _Broadcasts sees them."""
@@ -167,7 +193,7 @@ class DDPSync(GradSync):
         self.handed = Handed()
         self.powersgd = None  # torch's PowerSGDState with sync.compress=powersgd
         self._last = (0, 0, 0)  # the last step's Handed.take()
-        self._nonfinite: NonfiniteFlag | None = None  # the guard's, once it asks (_flagging)
+        self._nonfinite: list[NonfiniteFlag] = []  # the guard's, once it asks (flagging_hook)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         self.ddp = DistributedDataParallel(
@@ -180,37 +206,15 @@ class DDPSync(GradSync):
         hook, state = self._hook()
         if self.tracer is not None:
             hook = timed_hook(hook, self.tracer)
-        self.ddp.register_comm_hook(state, self._flagging(hook))
+        rank = dist.get_rank() if self.world_size > 1 else 0
+        self.ddp.register_comm_hook(
+            state, flagging_hook(hook, self._nonfinite, rank, self.world_size))
         return self.ddp
 
     def check_nonfinite(self) -> torch.Tensor:
-        if self._nonfinite is None:
-            self._nonfinite = NonfiniteFlag(self.device)
-        return self._nonfinite.flag
-
-    def _flagging(self, hook):
-        """`hook`, then, once the guard asked (`check_nonfinite`), this rank's 1/N of each
-        averaged bucket checked for inf/NaN in the hook's callback: beside backward, as our
-        syncs do (ddp_lab/sync/bucketed.py). Every rank holds the same average, so the parts
-        cover it once. DDP launches its buckets in index order, once a step: bucket 0 clears
-        the last step's flag."""
-        rank = dist.get_rank() if self.world_size > 1 else 0
-
-        def flagging(state, bucket):
-            flag = self._nonfinite
-            if flag is None:
-                return hook(state, bucket)
-            if bucket.index() == 0:
-                flag.clear()
-
-            def check(fut):
-                averaged = fut.value()
-                flag.check([comm.shard(averaged, rank, self.world_size)])
-                return averaged
-
-            return hook(state, bucket).then(check)
-
-        return flagging
+        if not self._nonfinite:
+            self._nonfinite.append(NonfiniteFlag(self.device))
+        return self._nonfinite[0].flag
 
     def _hook(self):
         """(DDP's comm hook, its state), its all-reduces counted by self.handed: torch's own hooks
