@@ -111,6 +111,25 @@ def flagging_hook(hook, armed: list[NonfiniteFlag], rank: int, world_size: int):
     return flagging
 
 
+def one_bucket_at_a_time(hook):
+    """`hook`, each bucket launched only once the one before it has finished. torch's
+    powerSGD_hook all-reduces P and Q from inside its futures' callbacks and waits there; on gloo
+    those callbacks run on the group's worker threads (two), so two buckets in that wait hold
+    both threads and the all-reduces they wait for never run: a deadlock, every time with small
+    buckets (tests/test_compress_sync.py). With one bucket in flight a worker stays free. The
+    price: on gloo, PowerSGD's buckets no longer overlap each other (a bucket still overlaps
+    the backward that fills the next one)."""
+    last = []
+
+    def launch(state, bucket):
+        if last:
+            last.pop().wait()  # on the autograd thread: the next bucket waits, not a gloo worker
+        last.append(hook(state, bucket))
+        return last[0]
+
+    return launch
+
+
 class Handed:
     """Payload bytes and elements handed to the backend since the last `take()`, by collective:
     all-reduces as the hooks make them through `self.dist`, broadcasts as _Broadcasts sees them."""
@@ -227,8 +246,9 @@ class DDPSync(GradSync):
                 None, matrix_approximation_rank=c.compress_rank,
                 start_powerSGD_iter=c.compress_start, min_compression_rate=c.min_compression_rate,
                 use_error_feedback=c.error_feedback, warm_start=True, random_seed=0)
-            ours = counting_copy(powerSGD_hook, dist=counting, default=default)
-            return ours.powerSGD_hook, self.powersgd
+            ours = counting_copy(powerSGD_hook, dist=counting, default=default).powerSGD_hook
+            gloo = dist.get_backend() == "gloo"
+            return one_bucket_at_a_time(ours) if gloo else ours, self.powersgd
         if c.compress in ("bf16", "fp16"):
             torchs = getattr(default, f"{c.compress}_compress_hook")
             # under another name: DDP refuses one named bf16_compress_hook where torch was built
