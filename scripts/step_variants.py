@@ -155,14 +155,12 @@ class VariantStep:
         }
 
 
-def build(net, batch, device, amp, cl, compile_mode=None, extras=(), cudnn_limit=None,
-          graph=False, stem="standard"):
+def build(net, batch, device, amp, cl, compile_mode=None, extras=(), graph=False,
+          stem="standard"):
     """One training step as a callable: a VariantStep, or with `graph` that step captured in a
     CUDA graph as the loop captures it."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
-    if cudnn_limit is not None:
-        torch.backends.cudnn.benchmark_limit = cudnn_limit
     step = VariantStep(net, batch, device, amp, cl, compile_mode, extras, stem)
     if not graph:
         return step
