@@ -293,6 +293,45 @@ def _planted_cases(rank, n):
             for bad in (float("inf"), float("nan"))}
 
 
+def _torchs_powersgd_planted(rank, n, plant_at):
+    """sync=ddp's PowerSGD (torch's hook, compressing from the third step), five steps under a
+    GradScaler; at step `plant_at` rank 0's first parameter gets an inf in its gradient as
+    backward makes it (a tensor hook: before DDP's buckets). Returns, per step, whether this
+    rank's averaged gradients were all finite."""
+    keys = dict(name="ddp", bucket_mb=0.001, compress="powersgd", compress_rank=1,
+                compress_start=2, min_compression_rate=1.0)
+    model = make_model(0)
+    sync = make_sync(scfg(**keys), n)
+    wrapped = sync.prepare(model)
+    opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.1, momentum=0.9))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    step_now = [0]
+    poison = lambda g: g.index_fill(0, torch.tensor([0]), float("inf")) \
+        if rank == 0 and step_now[0] == plant_at else g
+    next(model.parameters()).register_hook(poison)
+    finite = []
+    for step in range(1, 6):
+        step_now[0] = step
+        x, y = batch(rank, step, 0)
+        scaler.scale(nn.functional.cross_entropy(wrapped(x), y)).backward()
+        sync.finish()
+        finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    sync.close()
+    return finite
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("plant_at", [3, 4])  # the first compressed step, and a later one
+def test_torchs_powersgd_keeps_its_state_through_a_nonfinite_step(plant_at):
+    """Without state_kept_when_nonfinite, torch's hook keeps the poisoned error buffer and Q,
+    and every step after the planted one is non-finite too."""
+    want = [step != plant_at for step in range(1, 6)]
+    assert spawn(_torchs_powersgd_planted, 2, plant_at, timeout=60) == [want, want]
+
+
 class _HostReads(TorchDispatchMode):
     """The ops run inside it that hand a tensor's values to Python, which on CUDA waits for the
     device: _local_scalar_dense (under every .item(), bool(), int(), float()), nonzero (its size

@@ -111,6 +111,38 @@ def flagging_hook(hook, armed: list[NonfiniteFlag], rank: int, world_size: int):
     return flagging
 
 
+def state_kept_when_nonfinite(hook, state):
+    """torch's powerSGD_hook, but a bucket whose average holds an inf/NaN keeps the error
+    buffer and warm-start Q it had before (as our compressors do: ddp_lab/compress). torch's
+    hook would keep the poisoned ones, and every later step of the bucket would be non-finite:
+    the guard (train.nonfinite=skip) or fp16's GradScaler would skip the rest of the run. Kept on
+    the device (torch.where on the bucket's verdict), at the cost of a copy of each bucket's
+    error buffer and Q per step; only a bucket's first compressed step, which has nothing to go
+    back to, reads its verdict on the host, and then starts afresh next time."""
+    kept = {"error": state.error_dict, "q": state.q_memory_dict}
+
+    def keeping(process_group, bucket):
+        i = bucket.index()
+        before = {name: d[i].clone() for name, d in kept.items() if i in d}
+
+        def keep(fut):
+            averaged = fut.value()
+            made = [d for d in kept.values() if i in d]  # none before compression starts
+            if not made:
+                return averaged
+            finite = torch.isfinite(averaged).all()
+            for name, old in before.items():
+                kept[name][i] = torch.where(finite, kept[name][i], old)
+            if len(before) < len(made) and not finite:  # its first compressed step: forget
+                for d in (*made, state.p_memory_dict):  # it, as if it had not run
+                    d.pop(i, None)
+            return averaged
+
+        return hook(process_group, bucket).then(keep)
+
+    return keeping
+
+
 def one_bucket_at_a_time(hook):
     """`hook`, each bucket launched only once the one before it has finished. torch's
     powerSGD_hook all-reduces P and Q from inside its futures' callbacks and waits there; on gloo
@@ -247,6 +279,7 @@ class DDPSync(GradSync):
                 start_powerSGD_iter=c.compress_start, min_compression_rate=c.min_compression_rate,
                 use_error_feedback=c.error_feedback, warm_start=True, random_seed=0)
             ours = counting_copy(powerSGD_hook, dist=counting, default=default).powerSGD_hook
+            ours = state_kept_when_nonfinite(ours, self.powersgd)
             gloo = dist.get_backend() == "gloo"
             return one_bucket_at_a_time(ours) if gloo else ours, self.powersgd
         if c.compress in ("bf16", "fp16"):
