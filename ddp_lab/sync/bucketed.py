@@ -276,7 +276,11 @@ class BucketedSync(GradSync):
     def _flag_nonfinite(self, b: int, parts: list[torch.Tensor]) -> None:
         """Once the guard asked (`check_nonfinite`): flag inf/NaN in `parts` of bucket b (this
         rank's part of the reduced bucket; ZeRO: its shard), on the communication thread beside
-        backward. Buckets run in order, each once a step: the first clears the last step's flag."""
+        backward. Buckets run in order, each once a step: the first clears the last step's flag.
+        At fp32 the part still holds the sum (the unpack divides it into .grad), so the norm's
+        overflow, which flags a finite part whose squares pass fp32's range, comes N times sooner
+        than on the average: only for a part whose L2 norm nears 1.8e19 (the square root of
+        fp32's largest value), far past any gradient worth keeping."""
         if self._nonfinite is None:
             return
         if b == 0:
