@@ -259,6 +259,9 @@ def test_ddp_compress_is_torchs_own_hooks():
     (["sync=ring", "sync.zero=1", "sync.compress=topk"],
      "sync.compress=topk with sync.zero=1: compression of reduce-scattered shards is not built"),
     (["sync=ddp", "sync.compress=powersgd"], "sync.compress_start=0 with sync=ddp"),
+    # warm start needs it too, and sync=ddp always warm-starts
+    (["sync=ddp", "sync.compress=powersgd", "sync.error_feedback=false", "sync.compress_start=1"],
+     "sync.compress_start=1 with sync=ddp"),
     (["sync=ddp", "sync.compress=bf16", "sync.comm_dtype=fp16"],
      "sync.compress=bf16 with sync.comm_dtype=fp16"),
     (["sync=ddp", "sync.compress_rank=4"], "sync.compress_rank=4 has no effect with "

@@ -109,8 +109,8 @@ def check_compress(s) -> None:
     if not sixteen and s.compress != "none" and s.zero:
         raise ConfigError(f"sync.compress={s.compress} with sync.zero={s.zero}: compression of "
                           "reduce-scattered shards is not built; use sync.zero=0")
-    if s.compress == "powersgd" and s.name == "ddp" and s.error_feedback \
-            and s.compress_start < 2:
+    if s.compress == "powersgd" and s.name == "ddp" and s.compress_start < 2:
         raise ConfigError(f"sync.compress_start={s.compress_start} with sync=ddp "
                           "sync.compress=powersgd: torch's powerSGD_hook needs >= 2 with error "
-                          "feedback (DDP rebuilds its buckets after the first step)")
+                          "feedback or warm start, and sync=ddp warm-starts (DDP rebuilds its "
+                          "buckets after the first step)")
