@@ -309,3 +309,18 @@ def test_torchs_powersgd_refuses_to_resume_in_one_line(monkeypatch, sync, refuse
         resume.find(cfg, {}, "run", 2)
     assert "sync=ddp sync.compress=powersgd cannot resume" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_powersgd_draws_its_first_q_without_touching_the_global_generators(monkeypatch):
+    """torch.manual_seed would seed every CUDA generator too, alike on every rank (dropout's
+    masks would then agree between ranks): the first Q comes from a generator of its own. The
+    CPU generator's stream and CUDA's seeding are both left as they were."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))
+    torch.manual_seed(1)  # (its own call to manual_seed_all counts too: cleared below)
+    seeded.clear()
+    want = torch.rand(3)
+    torch.manual_seed(1)
+    seeded.clear()
+    make("powersgd", rank=2, seed=7).reduce(0, grads(0, 0), SHAPES, Ops(1, lambda t: t, None))
+    assert seeded == [] and torch.equal(torch.rand(3), want)

@@ -117,10 +117,11 @@ class PowerSGD(Compressor):
         sizes = [(m.shape[1], r) for m, r in mats]
         if key not in self.qs:
             first = torch.empty(sum(a * b for a, b in sizes), dtype=mats[0][0].dtype)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.rng.randint(1_000_000_000))
-                for q in _views(first, sizes):
-                    q.copy_(torch.randn(*q.shape, dtype=q.dtype))
+            # a generator of its own: torch.manual_seed would also seed every CUDA generator
+            # alike on every rank, and dropout's masks would stop differing between ranks
+            seeded = torch.Generator().manual_seed(self.rng.randint(1_000_000_000))
+            for q in _views(first, sizes):
+                q.copy_(torch.randn(*q.shape, dtype=q.dtype, generator=seeded))
             self.qs[key] = first.to(mats[0][0].device)
         q_flat = self.qs[key].clone()
         qs = _views(q_flat, sizes)
