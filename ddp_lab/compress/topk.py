@@ -71,5 +71,11 @@ def _sparse_average(flat: torch.Tensor, k: int, ops: Ops) -> torch.Tensor:
     indices = torch.empty(ops.world_size * k, dtype=torch.int32, device=flat.device)
     ops.all_gather(flat[idx.long()], values)
     ops.all_gather(idx, indices)
-    flat.zero_().index_add_(0, indices.long(), values).div_(ops.world_size)
+    flat.zero_()
+    for r in range(ops.world_size):  # rank by rank: one rank's k indices never repeat, so each
+        # call adds in one order; all N*k at once, CUDA's index_add_ adds repeats in any order,
+        # and ranks could round their averages differently (replicas would drift apart)
+        part = slice(r * k, (r + 1) * k)
+        flat.index_add_(0, indices[part].long(), values[part])
+    flat.div_(ops.world_size)
     return mine
