@@ -139,10 +139,12 @@ def _replace_dir(tmp: str, final: str) -> None:
 
 
 def _prune(run_dir: str, step: int, keep_every: int) -> None:
-    """Remove the checkpoints before `step` that train.keep_every does not keep."""
+    """Remove the checkpoints before `step` that train.keep_every does not keep, and every one
+    after it: steps only grow within a run, so a later one is an earlier run's, one this run
+    started over from (train.resume=never), and the next resume would pick it over ours."""
     for path in candidates(run_dir):
         s = _step_of(path)
-        if s < step and not (keep_every and s % keep_every == 0):
+        if s > step or s < step and not (keep_every and s % keep_every == 0):
             shutil.rmtree(path)
 
 
@@ -152,7 +154,13 @@ def hyperparameters(optimizer) -> list[dict]:
 
 
 def clean_stale_temporaries(run_dir: str) -> list[str]:
-    """Directories left by a save that was killed midway (rank 0 only, at start)."""
+    """Directories left by a save that was killed midway (rank 0 only, at start). A kill inside
+    _replace_dir's two renames leaves `.old` and no final directory: the temporary was complete
+    by then, so it becomes the checkpoint (else `.old` goes back), rather than losing both."""
+    for old in glob.glob(os.path.join(run_dir, "checkpoint_step*.old")):
+        final = old[:-len(".old")]
+        if not os.path.exists(final):
+            os.replace(final + TMP if os.path.isdir(final + TMP) else old, final)
     stale = [p for p in glob.glob(os.path.join(run_dir, "checkpoint_step*"))
              if p.endswith((TMP, ".old")) and os.path.isdir(p)]
     for path in stale:

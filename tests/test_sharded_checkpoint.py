@@ -299,3 +299,33 @@ def test_a_2_rank_zero2_run_continues_at_another_world_size(n, resharded):
     diff = max((got["tensors"][k].double() - want["tensors"][k].double()).abs().max().item()
                for k in model)
     assert diff < 1e-6, diff
+
+
+def _dirs(run_dir, names, marker=None):
+    for name in names:
+        os.makedirs(run_dir / name)
+        (run_dir / name / "which").write_text(marker or name)
+
+
+@pytest.mark.parametrize("keep_every, left", [(0, ["checkpoint_step4"]),
+                                              (2, ["checkpoint_step4", "checkpoint_step2"])])
+def test_a_save_removes_an_earlier_runs_later_checkpoints(tmp_path, keep_every, left):
+    """A run started over (train.resume=never) saves step 4 where an earlier run left step 6:
+    the next resume must pick step 4, this run's, so step 6 goes; the earlier steps as always."""
+    _dirs(tmp_path, ["checkpoint_step2", "checkpoint_step4", "checkpoint_step6"])
+    sharded_checkpoint._prune(str(tmp_path), 4, keep_every)
+    assert [os.path.basename(p) for p in sharded_checkpoint.candidates(str(tmp_path))] == left
+
+
+@pytest.mark.parametrize("present, kept", [((".tmp", ".old"), ".tmp"), ((".old",), ".old"),
+                                           ((".tmp",), None)])
+def test_a_kill_between_the_two_renames_loses_no_checkpoint(tmp_path, present, kept):
+    """_replace_dir moves the step's old directory to .old, then the complete .tmp into place:
+    killed between the two, the start's clean-up makes .tmp the checkpoint (.old where .tmp went
+    too). A .tmp alone is a save killed while writing: removed, as before."""
+    _dirs(tmp_path, [f"checkpoint_step4{suffix}" for suffix in present])
+    sharded_checkpoint.clean_stale_temporaries(str(tmp_path))
+    final = tmp_path / "checkpoint_step4"
+    assert sorted(os.listdir(tmp_path)) == (["checkpoint_step4"] if kept else [])
+    if kept:
+        assert (final / "which").read_text() == f"checkpoint_step4{kept}"
