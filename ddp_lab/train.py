@@ -343,12 +343,17 @@ def evaluate(run: Run, progress: Progress, step: int) -> None:
     model, info = run.parts.model, run.ctx.info
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss, correct, count
+    batches = 0
     with torch.no_grad(), run.parts.precision.autocast():
         for x, y in run.data.val.epoch(0):
             logits = model(x.contiguous(memory_format=run.parts.memory_format))
             totals[0] += F.cross_entropy(logits.float(), y, reduction="sum")
             totals[1] += (logits.argmax(1) == y).sum()
             totals[2] += len(y)
+            batches += 1
+        for _ in range(unscored_forwards(run, batches)):
+            model(torch.zeros(1, 3, run.ctx.cfg.data.image_size, run.ctx.cfg.data.image_size,
+                              device=info.device).contiguous(memory_format=run.parts.memory_format))
     dist.all_reduce(totals)  # SUM: ReduceOp.AVG is NCCL-only
     model.train()
     loss_sum, correct, count = totals.tolist()
@@ -356,6 +361,18 @@ def evaluate(run: Run, progress: Progress, step: int) -> None:
     run.rec.logger.log(step, {"val/loss": progress.val_loss, "val/accuracy": progress.val_accuracy})
     log.info("step %d epoch %.1f: val loss %.4f, accuracy %.4f", step,
              step / run.length.steps_per_epoch, progress.val_loss, progress.val_accuracy)
+
+
+def unscored_forwards(run: Run, batches: int) -> int:
+    """Forwards this rank runs on a dummy batch after its `batches` of validation, scoring
+    nothing. Where a forward is a collective (the sync's `forward_communicates`: ZeRO-3's and FSDP's
+    all-gathers) every rank must run as many as rank 0, which holds the most samples of the
+    round-robin shard: a rank with fewer would wait in evaluate's all-reduce while rank 0
+    all-gathers alone, until the group timed out."""
+    if not run.parts.sync.forward_communicates:
+        return 0
+    most = math.ceil(run.data.val_samples / run.ctx.info.world_size)
+    return math.ceil(most / run.ctx.cfg.train.batch_size) - batches
 
 
 def main() -> None:

@@ -214,3 +214,16 @@ def test_zero3_runs_its_collectives_sends_1_5x_and_holds_what_it_predicts(launch
         assert abs(mem["excess_bytes"][rank]) <= 3 * 4 * units
     after = mem["points"]["after_optimizer"]
     assert abs(after["params_bytes"][0] - ddp["memory"]["params_bytes"][0] / 2) <= 4 * units
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("sync", [["sync=ring", "sync.zero=3"], ["sync=fsdp"]])
+def test_evaluation_with_fewer_batches_on_one_rank_does_not_hang(sync, tmp_path):
+    """17 validation samples, batches of 8, 2 ranks: rank 0 has 2 batches, rank 1 one. A
+    forward all-gathers here, so rank 1 runs one unscored forward beside rank 0's second
+    (train.py's unscored_forwards); without it, rank 0 all-gathers alone until the group's
+    timeout (20 s here) and the run fails."""
+    proc = ranks(SMALL + sync + ["data.val_samples=17", "train.batch_size=8", "dist.timeout_s=20",
+                                 f"hydra.run.dir={tmp_path}"], timeout=120)
+    check(proc)
+    assert 0 <= summary(tmp_path)["val_accuracy"] <= 1

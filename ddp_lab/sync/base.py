@@ -45,6 +45,9 @@ class GradSync:
     # before it releases memory inside a step (ZeRO: a bucket's gradients, a unit's parameters),
     # where what it holds is at a local maximum.
     held_probe = None
+    # Whether a forward all-gathers (ZeRO-3, FSDP): every rank must then run as many forwards,
+    # evaluation's too (ddp_lab/train.py's evaluate).
+    forward_communicates = False
 
     def _tracing(self) -> bool:
         return self.tracer is not None and self.tracer.step is not None

@@ -98,6 +98,7 @@ class CountedReduceScatter(ReduceScatter):
 
 @SYNCS.register("fsdp", reads=("reshard_after_forward", "comm_dtype"))
 class FSDPSync(GradSync):
+    forward_communicates = True
     name = "fsdp"
 
     def __init__(self, scfg, device: torch.device, world_size: int):

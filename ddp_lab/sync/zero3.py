@@ -72,6 +72,7 @@ def unit_numels(model: nn.Module) -> list[int]:
 
 
 class ZeRO3Sync(ShardedSync):
+    forward_communicates = True
     def __init__(self, scfg, device: torch.device, world_size: int, group=None):
         super().__init__(scfg, device, world_size, group)
         self.reshard_after_forward = bool(scfg.reshard_after_forward)
