@@ -96,10 +96,11 @@ def compiled_graphs() -> int:
 
 
 def time_local_backward(parts: Parts, batch: tuple, passes: int) -> float:
-    """Median backward time (ms) of `passes` micro-steps that do not communicate (after two
-    untimed ones). DDP waits for its all-reduces inside backward, so its exposed communication is
-    (synced backward + wait) - this. Runs under fork_rng and leaves no gradients, so training is
-    unaffected."""
+    """Median backward time (ms) of `passes` micro-steps that do not reduce gradients (after
+    two untimed ones). DDP waits for its all-reduces inside backward, so its exposed
+    communication is (synced backward + wait) - this. Where the sync's forward and backward
+    all-gather (ZeRO-3, FSDP: `forward_communicates`) these gathers stay in: the figure then
+    holds them. Runs under fork_rng and leaves no gradients, so training is unaffected."""
     x, y = batch
     x = x.contiguous(memory_format=parts.memory_format)
     device = x.device
