@@ -351,9 +351,8 @@ def evaluate(run: Run, progress: Progress, step: int) -> None:
             totals[1] += (logits.argmax(1) == y).sum()
             totals[2] += len(y)
             batches += 1
-        for _ in range(unscored_forwards(run, batches)):
-            model(torch.zeros(1, 3, run.ctx.cfg.data.image_size, run.ctx.cfg.data.image_size,
-                              device=info.device).contiguous(memory_format=run.parts.memory_format))
+        for dummy in unscored_batches(run, batches):
+            model(dummy)
     dist.all_reduce(totals)  # SUM: ReduceOp.AVG is NCCL-only
     model.train()
     loss_sum, correct, count = totals.tolist()
@@ -363,16 +362,19 @@ def evaluate(run: Run, progress: Progress, step: int) -> None:
              step / run.length.steps_per_epoch, progress.val_loss, progress.val_accuracy)
 
 
-def unscored_forwards(run: Run, batches: int) -> int:
-    """Forwards this rank runs on a dummy batch after its `batches` of validation, scoring
-    nothing. Where a forward is a collective (the sync's `forward_communicates`: ZeRO-3's and FSDP's
+def unscored_batches(run: Run, batches: int) -> list[torch.Tensor]:
+    """Dummy batches this rank runs forward after its `batches` of validation, scoring nothing.
+    Where a forward is a collective (the sync's `forward_communicates`: ZeRO-3's and FSDP's
     all-gathers) every rank must run as many as rank 0, which holds the most samples of the
     round-robin shard: a rank with fewer would wait in evaluate's all-reduce while rank 0
     all-gathers alone, until the group timed out."""
     if not run.parts.sync.forward_communicates:
-        return 0
+        return []
     most = math.ceil(run.data.val_samples / run.ctx.info.world_size)
-    return math.ceil(most / run.ctx.cfg.train.batch_size) - batches
+    size = run.ctx.cfg.data.image_size
+    dummy = torch.zeros(1, 3, size, size, device=run.ctx.info.device)
+    dummy = dummy.contiguous(memory_format=run.parts.memory_format)
+    return [dummy] * (math.ceil(most / run.ctx.cfg.train.batch_size) - batches)
 
 
 def main() -> None:

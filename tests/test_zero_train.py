@@ -221,7 +221,7 @@ def test_zero3_runs_its_collectives_sends_1_5x_and_holds_what_it_predicts(launch
 def test_evaluation_with_fewer_batches_on_one_rank_does_not_hang(sync, tmp_path):
     """17 validation samples, batches of 8, 2 ranks: rank 0 has 2 batches, rank 1 one. A
     forward all-gathers here, so rank 1 runs one unscored forward beside rank 0's second
-    (train.py's unscored_forwards); without it, rank 0 all-gathers alone until the group's
+    (train.py's unscored_batches); without it, rank 0 all-gathers alone until the group's
     timeout (20 s here) and the run fails."""
     proc = ranks(SMALL + sync + ["data.val_samples=17", "train.batch_size=8", "dist.timeout_s=20",
                                  f"hydra.run.dir={tmp_path}"], timeout=120)
