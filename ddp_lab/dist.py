@@ -109,6 +109,10 @@ def node_layout(node_size: int, link, world_size: int, local_world_size: int) ->
         raise ConfigError(f"dist.link emulates a link between nodes, but the {world_size} "
                           f"rank(s) are one node of dist.node_size={size}: set dist.node_size "
                           f"to a divisor of {world_size} below it")
+    if layout.emulated and layout.shared and local_world_size % size:
+        raise ConfigError(f"dist.link.shared=true needs each emulated node on one machine (its "
+                          f"ranks share a local file): dist.node_size={size} must divide the "
+                          f"{local_world_size} rank(s) torchrun starts per machine")
     return layout
 
 

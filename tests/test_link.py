@@ -122,3 +122,16 @@ def test_a_layout_that_cannot_exist_is_refused_in_one_line(overrides, world, mes
     with pytest.raises(ConfigError) as e:
         validate(compose_config(overrides))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_shared_link_refuses_a_node_across_machines(monkeypatch):
+    """Four machines of 4 ranks, emulated nodes of 8: a node's ranks could not share the file
+    that holds its link's clock, so each machine would book its own link without a word."""
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    base = ["sync=ring", "dist.link.gbps=1"]
+    validate(compose_config(base + ["dist.node_size=2", "dist.link.shared=true"]))
+    validate(compose_config(base + ["dist.node_size=8", "dist.link.shared=false"]))
+    with pytest.raises(ConfigError) as e:
+        validate(compose_config(base + ["dist.node_size=8", "dist.link.shared=true"]))
+    assert "dist.node_size=8 must divide the 4 rank(s) torchrun starts per machine" in str(e.value)
