@@ -143,6 +143,19 @@ def test_torchs_powersgd_in_many_buckets_on_gloo_does_not_deadlock():
     assert grads0 == grads1  # the same average on every rank
 
 
+def _powersgd_on_the_cpu_of_a_gpu_machine(rank, n):
+    """torch's powerSGD_hook synchronizes CUDA with the bucket's device whenever CUDA is
+    available: with CPU buckets (gloo on a GPU machine) that raised inside the hook."""
+    torch.cuda.is_available = lambda: True  # this process only: a machine with a GPU
+    return _powersgd_in_small_buckets(rank, n)[1]
+
+
+@pytest.mark.timeout(60)
+def test_torchs_powersgd_trains_on_cpu_where_cuda_is_available():
+    grads0, grads1 = spawn(_powersgd_on_the_cpu_of_a_gpu_machine, 2, timeout=30)
+    assert grads0 == grads1 and any(grads0)
+
+
 def _kept(sync, s) -> tuple[int, int]:
     """(bytes of what the compressor keeps, counted from storages as summary.json's memory block
     counts them; perf.memory's prediction of them)."""
@@ -368,8 +381,8 @@ def _one_rank(device: torch.device, compress: str):
         gen = torch.Generator(device).manual_seed(seed)
         for b, bucket in enumerate(buckets):
             bucket.buffer = torch.randn(bucket.numel, generator=gen, device=device)
-            if bad is not None and b == 1:
-                bucket.buffer[0] = bad
+            if bad is not None and b == 1:  # fill_: a Python float assigned would be a host copy
+                bucket.buffer[:1].fill_(bad)
             compressed.reduce(b, bucket, ops, last=b == 1)
 
     return compressed, step

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -206,6 +206,17 @@ def counting_copy(module: ModuleType, **globals_) -> ModuleType:
     return copy
 
 
+class _TorchWithoutCuda:
+    """torch as the hook's copy sees it for CPU buckets: powerSGD_hook's decompress calls
+    torch.cuda.synchronize(the bucket's device) whenever CUDA is available, which raises
+    "Expected a cuda device, but got: cpu" when gloo trains on the CPU of a machine with a GPU."""
+
+    cuda = SimpleNamespace(is_available=lambda: False)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 class _Broadcasts(TorchDispatchMode):
     """Adds to `handed.broadcast` the bytes of every tensor given to a c10d broadcast inside the
     block: the dispatcher sees exactly what reaches the backend, whichever way the optimizer
@@ -278,7 +289,9 @@ class DDPSync(GradSync):
                 None, matrix_approximation_rank=c.compress_rank,
                 start_powerSGD_iter=c.compress_start, min_compression_rate=c.min_compression_rate,
                 use_error_feedback=c.error_feedback, warm_start=True, random_seed=0)
-            ours = counting_copy(powerSGD_hook, dist=counting, default=default).powerSGD_hook
+            cpu = {"torch": _TorchWithoutCuda()} if self.device.type == "cpu" else {}
+            ours = counting_copy(powerSGD_hook, dist=counting, default=default,
+                                 **cpu).powerSGD_hook
             ours = state_kept_when_nonfinite(ours, self.powersgd)
             gloo = dist.get_backend() == "gloo"
             return one_bucket_at_a_time(ours) if gloo else ours, self.powersgd
