@@ -4,6 +4,7 @@ in process on hand-made run rows: no launch. The study itself: docs/results/cpu-
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -82,3 +83,33 @@ def test_sync_and_training_overrides_go_to_every_run_replacing_the_recipes(monke
     monkeypatch.setattr(compression, "PASSED", ["sync=ddp", "optim=sgd"])
     kept = compression.recipe()
     assert "sync=ring" not in kept and "optim=adamw" not in kept and "train.batch_size=32" in kept
+
+
+def test_tabulate_only_reads_what_a_cut_study_left_and_launches_nothing(tmp_path, monkeypatch):
+    """A study cut short by a time limit: its finished runs are tabulated from their
+    summary.json; the run it never reached is listed as missing, and nothing is launched."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    import ddp_lab.scale.launch
+
+    cfg = OmegaConf.structured(compression.CompressionConfig(
+        arms=["fp32"], seeds=[0], nproc=[2], gbps=[0.0, 10.0], repeats=2, plot=False,
+        tabulate_only=True))
+    points = compression.plan(cfg, str(tmp_path))
+    for (point, _), step_ms in zip(points[:2], (100.0, 120.0)):  # the accuracy run, link r0
+        os.makedirs(point.run_dir)
+        with open(os.path.join(point.run_dir, "summary.json"), "w") as f:
+            json.dump({"val_accuracy": 0.5, "time_ms": {"step": step_ms}, "comm": {},
+                       "comm_bytes_per_step": 12_500_000, "parameters": 1000}, f)
+        with open(os.path.join(point.run_dir, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 3, "val/accuracy": 0.5}) + "\n")
+    monkeypatch.setattr(ddp_lab.scale.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    rows = compression.run(cfg, str(tmp_path))
+    with open(tmp_path / "runs.jsonl") as f:
+        statuses = [json.loads(line)["status"] for line in f]
+    assert statuses == ["ok", "ok", "missing"]
+    linked = next(r for r in rows if r["gbps"] == 10.0)
+    # 12.5 MB over 10 Gb/s is 10 ms on top of the 100 ms step without a link
+    assert linked["runs"] == 1 and linked["predicted_step_ms"] == pytest.approx(110.0)

@@ -6,6 +6,7 @@ to the step time on slower links, measured, beside the performance model's predi
     python -m ddp_lab.bench.compression arms=[fp32,powersgd-r2] seeds=[0] gbps=[0] steps=3 \
         target_accuracy=0 train.eval_every_epochs=0                       # count elements only
     python -m ddp_lab.bench.compression data=cifar10                      # CIFAR-10, when present
+    python -m ddp_lab.bench.compression <the same> tabulate_only=true     # a study cut short
 
 Training overrides on the command line (model=..., data=..., optim.*, train.*, sync.*, seed=...)
 go to every run, as with `python -m ddp_lab.scale`, and `sync=ddp` runs the arms through torch's
@@ -78,6 +79,9 @@ class CompressionConfig:
     threads_per_rank: int = 0  # OMP threads per rank; 0: the cores over the largest nproc
     env: dict[str, str] = field(default_factory=dict)
     plot: bool = True
+    # true: launch nothing; tabulate the runs already in the run directory (a study a time limit
+    # cut short), each missing run listed as such
+    tabulate_only: bool = False
 
 
 ConfigStore.instance().store(name="bench_compression_schema", node=CompressionConfig)
@@ -149,6 +153,17 @@ def run_row(point, what: dict, target: float) -> dict:
         "gradient_elements": s["parameters"],
         "compress_ms": compression.get("compress_ms", 0.0),
         "steps_to_target": reached[0] if reached else None, "curve": curve}
+
+
+def read_back(point) -> None:
+    """The point as its run directory left it: ok with its summary.json, else missing."""
+    path = os.path.join(point.run_dir, "summary.json")
+    if not os.path.exists(path):
+        point.status, point.error = "missing", "not run (tabulate_only)"
+        return
+    with open(path) as f:
+        point.summary = json.load(f)
+    point.status = "ok"
 
 
 def evaluations(run_dir: str) -> list[list]:
@@ -252,7 +267,10 @@ def run(cfg, run_dir: str) -> list[dict]:
     env = point_env(cfg, "cpu", max(cfg.nproc))
     runs = []
     for i, (point, what) in enumerate(points):
-        launch(point, env, cfg.point_timeout_s, keep_checkpoints=False)
+        if cfg.tabulate_only:
+            read_back(point)
+        else:
+            launch(point, env, cfg.point_timeout_s, keep_checkpoints=False)
         runs.append(run_row(point, what, cfg.target_accuracy))
         print(f"[{i + 1}/{len(points)}] {point.name}: {point.status} ({point.wall_s:.0f} s)",
               flush=True)
