@@ -369,3 +369,29 @@ def test_from_nproc_calibrates_and_probes_only_the_listed_world_sizes(monkeypatc
     assert launched == ["--nproc_per_node=2", "--nproc_per_node=4"] * 2
     assert sweep.probe_path(str(tmp_path / "points" / "n8-ring.r2")) == str(
         tmp_path / "interference" / "n8-ring.r2.json")
+
+
+def test_the_calibration_runs_before_the_points(monkeypatch, tmp_path):
+    """A sweep a time limit cuts short keeps its calibration: it is timed before any point
+    (it ran after the last pass, so a cut sweep had nothing to predict its points from)."""
+    from hydra import compose, initialize_config_dir
+
+    from ddp_lab.cli import CONF_DIR, register_resolvers
+    from ddp_lab.scale import app, launch
+    from ddp_lab.scale.config import register_scale_config
+
+    register_scale_config()
+    register_resolvers()
+    with initialize_config_dir(CONF_DIR, version_base=None):
+        cfg = compose("scale", overrides=["nproc=[1,2]", "syncs=[ring]", "profile=cpu",
+                                          "repeats=1", "predict.sizes_kb=[4]"])
+    order = []
+    monkeypatch.setattr(app, "_launch", lambda cmd, env, out, t, what, say: order.append(what))
+
+    def point(p, *args, **kwargs):
+        order.append(p.name)
+        p.status, p.error = "failed", "not launched in this test"
+
+    monkeypatch.setattr(launch, "launch", point)
+    passes, _, _, _, fits = app.run_points(cfg, str(tmp_path), lambda *a: None)
+    assert order == ["calibration at N=2", "n1-ring", "n2-ring"] and fits == {}

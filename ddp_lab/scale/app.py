@@ -51,8 +51,8 @@ def _fits(cfg, points, sweep_dir, profile, env, say) -> dict:
         rows = read_table(cfg.predict.table)
         say(f"alpha-beta fit from {cfg.predict.table} ({len(rows)} rows)")
         return fit_alpha_beta(rows, cfg.predict.max_regimes, only)
-    sizes = sorted({p.world_size for p in points if p.status == "ok" and p.world_size > 1
-                    and _measured_at(cfg, p.world_size)})
+    sizes = sorted({p.world_size for p in points if p.status in ("ok", "planned")
+                    and p.world_size > 1 and _measured_at(cfg, p.world_size)})
     if not cfg.predict.calibrate or not sizes:
         return {}
     algos = ["native"] + [s for s in ("naive", "ring", "tree") if s in cfg.syncs]
@@ -163,16 +163,17 @@ def _simulate_mode(cfg) -> str:
 
 
 def run_points(cfg, run_dir: str, say) -> tuple | None:
-    """The sweep's passes (each a list of every point), its profile, the environment they ran in
-    and the interference probes' files ({point name: [file or None per pass]}): collected from
-    run dirs, or planned and launched here `repeats` times over (each pass: every point once,
-    each followed by its probe; collected: where their sweep kept them). None where emit=
-    printed command lines instead."""
+    """The sweep's passes (each a list of every point), its profile, the environment they ran in,
+    the interference probes' files ({point name: [file or None per pass]}) and the alpha-beta
+    fits: collected from run dirs (fits only from predict.table), or planned and launched here
+    `repeats` times over (each pass: every point once, each followed by its probe; collected:
+    where their sweep kept them). None where emit= printed command lines instead."""
     if cfg.collect:
         points = [sweep.collect_point(d) for d in cfg.collect]
         check_from_nproc(cfg.predict.from_nproc, [p.world_size for p in points])
+        fits = _fits(cfg, points, run_dir, "collected", {}, say) if cfg.predict.table else {}
         return ([points], "collected", dict(os.environ),
-                {p.name: [sweep.probe_path(p.run_dir)] for p in points})
+                {p.name: [sweep.probe_path(p.run_dir)] for p in points}, fits)
     points, profile = sweep.plan(cfg, PASSTHROUGH, run_dir)
     listed = check_from_nproc(cfg.predict.from_nproc, [p.world_size for p in points])
     runnable = [p for p in points if p.status == "planned"]
@@ -195,6 +196,9 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
     if listed:
         say(f"predict.from_nproc: calibration and probes at N={list(listed)} only; every point "
             "is predicted from them")
+    # Calibrated before the points: a sweep a time limit cuts short keeps its calibration
+    # (allreduce.jsonl), so collect= with predict.table= can still predict the points it ran.
+    fits = _fits(cfg, points, run_dir, profile, env, say)
     passes, probes = [], {}
     for r in range(repeats):
         passes.append([sweep.for_repeat(p, r) for p in points])
@@ -205,7 +209,7 @@ def run_points(cfg, run_dir: str, say) -> tuple | None:
                 launch.launch(q, env, timeout, cfg.keep_checkpoints)
             say(f"{where}: {_result(q)}")
             probes.setdefault(q.name, []).append(_probe(cfg, q, env, say))
-    return passes, profile, env, probes
+    return passes, profile, env, probes, fits
 
 
 def auto_repeats(say) -> int:
@@ -234,7 +238,7 @@ def say_tables(rows: list[dict], fits: dict, say) -> None:
 
 
 def tabulate(cfg, passes: list, profile: str, env: dict, run_dir: str, say,
-             probe_files: dict | None = None) -> tuple:
+             probe_files: dict | None = None, fits: dict | None = None) -> tuple:
     """Rows, fits and predictions of the points, written (manifest, CSV, TensorBoard, plot) and
     printed; returns (rows, fits, manifest, csv path). Each pass is tabulated and predicted on
     its own (each point against its N=1 point and with its probe of the same pass, minutes
@@ -242,9 +246,7 @@ def tabulate(cfg, passes: list, profile: str, env: dict, run_dir: str, say,
     man = outputs.write_manifest(os.path.join(run_dir, "manifest.json"),
                                  OmegaConf.to_container(cfg, resolve=True), PASSTHROUGH, profile,
                                  env)
-    fits = {}
-    if not cfg.collect or cfg.predict.table:  # collected runs: only a given table
-        fits = _fits(cfg, passes[0], run_dir, profile, env, say)
+    fits = fits or {}
     per_pass = []
     for r, points in enumerate(passes):
         rows = results.rows_from_points(points)
@@ -271,9 +273,10 @@ def task(cfg, run_dir: str) -> None:
         swept = run_points(cfg, run_dir, say)
         if swept is None:  # emit=: command lines only
             return
-        passes, profile, env, probe_files = swept
+        passes, profile, env, probe_files, fits = swept
         points = passes[0]
-        rows, fits, man, csv_path = tabulate(cfg, passes, profile, env, run_dir, say, probe_files)
+        rows, fits, man, csv_path = tabulate(cfg, passes, profile, env, run_dir, say, probe_files,
+                                             fits)
     sim_md = ""
     if mode in ("true", "only"):
         say("\nsimulation:")
