@@ -87,6 +87,14 @@ class Nodes:
     def emulated(self) -> bool:
         return self.latency_s > 0 or self.s_per_byte > 0
 
+    def busiest_link_bytes(self, rank_bytes: list[float]) -> float:
+        """What the busiest link between nodes carries, from each rank's bytes sent to other
+        nodes (by rank): a shared link carries its node's ranks' bytes together, a link per rank
+        its own rank's."""
+        if not self.shared:
+            return max(rank_bytes)
+        return max(sum(rank_bytes[k * self.size:(k + 1) * self.size]) for k in range(self.count))
+
 
 def seconds_per_byte(gbps: float) -> float:
     """A link of `gbps` Gb/s: the beta of alpha-beta, s per byte; 0 Gb/s: no bandwidth limit, 0."""

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ddp_lab import trace
 from ddp_lab.comm import scratch_numel
+from ddp_lab.dist import nodes
 from ddp_lab.held_memory import MEMORY_KEYS, POINTS, total
 from ddp_lab.perf.memory import compress_state_numel, predict_held
 from ddp_lab.dtypes import element_size
@@ -34,6 +35,7 @@ def write_summary(run, progress) -> dict:
     cfg, info = ctx.cfg, ctx.info
     timing = run.rec.timer.summary()
     time_ms = {k[:-3]: v for k, v in timing.items() if k.endswith("_ms")}
+    comm = parts.sync.comm_stats()
     summary = {
         "world_size": info.world_size, "backend": info.backend, "device": str(info.device),
         "model": cfg.model.name, "data": cfg.data.name, "sync": cfg.sync.name,
@@ -48,7 +50,8 @@ def write_summary(run, progress) -> dict:
         "timed_steps": timing.get("timed_steps", 0),
         "rank_step_ms": _gather_floats(timing.get("step_ms", math.nan), info.device),
         "comm_bytes_per_step": parts.sync.bytes_per_step(),
-        "comm": parts.sync.comm_stats(),
+        "comm": comm,
+        "link_bytes_per_step": _link_bytes(comm, info.device),
         "parameters": sum(p.numel() for p in parts.model.parameters()),
         "memory": memory_block(run),
         "compiled_graphs": compiled_graphs() - run.rec.compiled_before,
@@ -123,6 +126,14 @@ def _compress_numel(sync, s, start_step: int) -> int | None:
         return 0
     return compress_state_numel([[p.shape for p in b.params] for b in sync.buckets], s.compress,
                                 s.compress_rank, s.min_compression_rate, s.error_feedback)
+
+
+def _link_bytes(comm: dict, device) -> float | None:
+    """Collective: the bytes the busiest link between nodes (ddp_lab.dist's nodes) carried in the
+    last step, from every rank's count; None where the sync does not count them (torch's)."""
+    counted = comm.get("cross_node_bytes_per_step")
+    rank_bytes = _gather_floats(math.nan if counted is None else counted, device)
+    return None if math.isnan(rank_bytes[0]) else nodes().busiest_link_bytes(rank_bytes)
 
 
 def _gather_floats(value: float, device) -> list[float]:

@@ -32,11 +32,12 @@ def test_compression_pays_below_the_breakeven_speed():
     assert breakeven_gbps(90.0, 2.0, 100.0, 2.0) == 0.0  # saves no bytes
 
 
-def _run(arm, gbps, step_ms, seed=0, acc=0.8, nbytes=1000, elements=250):
+def _run(arm, gbps, step_ms, seed=0, acc=0.8, nbytes=1000, elements=250, link_bytes=None):
     return {"phase": "accuracy" if gbps == 0 else "link", "nproc": 2, "arm": arm, "seed": seed,
             "gbps": gbps, "status": "ok", "val_accuracy": acc, "step_ms": step_ms,
-            "bytes_per_step": nbytes, "elements_per_step": elements, "gradient_elements": 250,
-            "compress_ms": 0.0, "steps_to_target": 10}
+            "bytes_per_step": nbytes, "link_bytes_per_step": link_bytes or nbytes,
+            "elements_per_step": elements, "gradient_elements": 250, "compress_ms": 0.0,
+            "steps_to_target": 10}
 
 
 def test_arm_rows_compare_each_arm_with_fp32_at_its_link():
@@ -57,6 +58,15 @@ def test_arm_rows_compare_each_arm_with_fp32_at_its_link():
     assert linked["predicted_step_ms"] == pytest.approx(110.0 + 8e-5)
     assert linked["predicted_change_ms"] == pytest.approx(10.0 + 8e-5 - 8e-3)
     assert linked["step_change_ms"] == pytest.approx(1.0)
+
+
+def test_the_prediction_prices_what_the_busiest_link_carries():
+    # Two ranks share each node's link: it carries 2000 B a step while rank 0 sends 1000 B;
+    # pricing rank 0's bytes would predict 100 + 0.008 ms instead of 100 + 0.016.
+    cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32"])
+    runs = [_run("fp32", 0.0, 100.0, link_bytes=2000), _run("fp32", 1.0, 100.0, link_bytes=2000)]
+    linked = {r["gbps"]: r for r in arm_rows(runs, cfg)}[1.0]
+    assert linked["predicted_step_ms"] == pytest.approx(100.0 + 2000 * 8 / 1e9 * 1e3, rel=1e-12)
 
 
 @pytest.mark.parametrize("keys, message", [

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from background import background
+from ddp_lab.perf.collectives import node_link_bytes
 from helpers import SMALL, SMALL_BUCKETS, check, final_params, max_abs_diff
 from launchers import ranks, spawn
 
@@ -132,6 +133,11 @@ def test_hring_trains_like_ddp_and_one_process(hring_run, small_references):
         s = json.load(f)
     assert s["world_size"] == 4 and s["global_batch"] == 32 and s["sync"] == "hring"
     assert len(set(s["rank_param_digests"])) == 1, "replicas differ"
+    # Each node's shared link carries 2(M-1)/M = 1x every bucket, counted over both its ranks
+    # (the formula's count, exact: the node's two pieces of a bucket add up to the bucket).
+    assert s["link_bytes_per_step"] == sum(node_link_bytes("hring", b, 4, 2)
+                                           for b in s["comm"]["bucket_bytes"])
+    assert s["comm"]["cross_node_bytes_per_step"] > 0
     with open(hring_run / "run_info.json") as f:
         dist_cfg = json.load(f)["config"]["dist"]
     assert dist_cfg["node_size"] == 2 and dist_cfg["link"] == {

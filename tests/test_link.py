@@ -106,6 +106,16 @@ def test_the_emulated_link_is_a_network_the_formulas_price():
     assert net.allreduce_s("ring", s, 4) == 0.0  # one node: the host's links only (free here)
 
 
+def test_the_busiest_link_carries_a_nodes_ranks_together_when_shared():
+    """summary.json's link_bytes_per_step: ranks 0-1 and 2-3 on two nodes. Shared, a node's link
+    carries both ranks' crossings (20 + 30); a link per rank, the largest rank's (30)."""
+    from ddp_lab.dist import Nodes
+
+    crossed = [5.0, 10.0, 20.0, 30.0]
+    assert Nodes(2, 2, shared=True).busiest_link_bytes(crossed) == 50.0
+    assert Nodes(2, 2).busiest_link_bytes(crossed) == 30.0
+
+
 @pytest.mark.parametrize("overrides, world, message", [
     (["dist.node_size=4"], 6, "dist.node_size=4 does not divide the world size 6"),
     (["dist.link.gbps=1"], 2, "dist.link emulates a link between nodes, but the 2 rank(s) are "

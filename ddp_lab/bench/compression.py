@@ -15,7 +15,9 @@ ddp_lab.train (sync=ring, AdamW, `RECIPE`), one at a time:
 - accuracy runs: each arm x seed x nproc, `steps` steps, no emulated link, evaluated each epoch;
 - link runs: each of `link_arms` x link speed (`gbps` > 0) x nproc, `repeats` times,
   `timing_steps` steps, every rank its own node behind a link of that speed (dist.node_size=1,
-  dist.link.gbps; ddp_lab/dist.py), so every byte it sends waits on it.
+  dist.link.gbps; ddp_lab/dist.py), so every byte it sends waits on it; `dist.*` on the command
+  line changes the layout (sync=hring dist.node_size=2 dist.link.shared=true: nodes of 2 ranks
+  sharing a link).
 Per run (runs.jsonl): final accuracy, accuracy per evaluation, the step time (the run's median
 over its timed steps), bytes and elements sent per step (counted: the Recorder's bytes; the
 elements handed to the collectives, summary.json's `comm.compression`, else every gradient
@@ -23,7 +25,8 @@ element), the compressor's own host time per step.
 Per arm, nproc and link (arms.jsonl, the table): accuracy mean and sd over seeds, bytes and
 elements per step and how many times fewer elements than fp32, the step time median (min-max)
 over its runs, steps and seconds to `target_accuracy`, and on a link the step time predicted
-from the arm's own runs without a link plus its bytes over the link (ddp_lab/perf/compression.py),
+from the arm's own runs without a link plus the bytes its busiest link carries (counted:
+summary.json's `link_bytes_per_step`) over the link (ddp_lab/perf/compression.py),
 the change against fp32 measured and predicted, and without a link the speed below which the arm
 starts to pay (`breakeven_gbps`). The predictions use only the runs without a link: every
 linked point is one the model was not fitted on.
@@ -149,6 +152,8 @@ def run_row(point, what: dict, target: float) -> dict:
     return row | {
         "val_accuracy": s["val_accuracy"], "step_ms": s["time_ms"].get("step", math.nan),
         "bytes_per_step": s["comm_bytes_per_step"],
+        # what the busiest link carried (a study from before it was counted: rank 0's bytes)
+        "link_bytes_per_step": s.get("link_bytes_per_step", s["comm_bytes_per_step"]),
         "elements_per_step": compression.get("elements_per_step", s["parameters"]),
         "gradient_elements": s["parameters"],
         "compress_ms": compression.get("compress_ms", 0.0),
@@ -206,6 +211,7 @@ def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict],
            "acc_mean": statistics.mean(accuracy) if accuracy else math.nan,
            "acc_sd": statistics.stdev(accuracy) if len(accuracy) > 1 else math.nan,
            "bytes_per_step": first["bytes_per_step"],
+           "link_bytes_per_step": first["link_bytes_per_step"],
            "elements_per_step": first["elements_per_step"],
            "gradient_elements": first["gradient_elements"],
            "compress_ms": statistics.median(r["compress_ms"] for r in alone),
@@ -214,7 +220,7 @@ def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict],
            "time_to_target_s": steps_to * step / 1e3}
     if gbps:
         row["predicted_step_ms"] = predict_step_ms(_spread([r["step_ms"] for r in alone])[0],
-                                                   row["bytes_per_step"], gbps)
+                                                   row["link_bytes_per_step"], gbps)
         row["predicted_err_pct"] = 100 * (row["predicted_step_ms"] / step - 1)
     return row
 
@@ -229,8 +235,8 @@ def _against(row: dict, base: dict) -> None:
         row["change_err_pct"] = (100 * (row["predicted_change_ms"] / row["step_change_ms"] - 1)
                                  if row["step_change_ms"] else math.nan)
     else:
-        row["breakeven_gbps"] = breakeven_gbps(row["step_ms"], row["bytes_per_step"],
-                                               base["step_ms"], base["bytes_per_step"])
+        row["breakeven_gbps"] = breakeven_gbps(row["step_ms"], row["link_bytes_per_step"],
+                                               base["step_ms"], base["link_bytes_per_step"])
 
 
 def plot(rows: list[dict], run_dir: str) -> None:
@@ -253,7 +259,8 @@ def plot(rows: list[dict], run_dir: str) -> None:
                    ylabel="step time (ms)", title="measured and predicted step time", logx=True)
 
 
-COLUMNS = ["nproc", "gbps", "arm", "acc_mean", "acc_sd", "bytes_per_step", "elements_per_step",
+COLUMNS = ["nproc", "gbps", "arm", "acc_mean", "acc_sd", "bytes_per_step", "link_bytes_per_step",
+           "elements_per_step",
            "x_fewer_elements", "compress_ms", "step_ms", "step_ms_min", "step_ms_max",
            "predicted_step_ms", "step_change_ms", "predicted_change_ms", "change_err_pct",
            "breakeven_gbps", "reached_target", "time_to_target_s"]
@@ -281,7 +288,7 @@ def run(cfg, run_dir: str) -> list[dict]:
     report(rows, run_dir, "arms", COLUMNS, title="per arm (against fp32 at its nproc and link)",
            notes=[f"accuracy: mean and sd over {len(cfg.seeds)} seeds after {cfg.steps} steps; "
                   "step_ms: median (min, max) over the runs",
-                  "predicted = the arm's step without a link + its bytes over the link "
+                  "predicted = the arm's step without a link + its busiest link's bytes over it "
                   "(ddp_lab/perf/compression.py); fitted on no linked point",
                   "breakeven_gbps: below this link speed the arm's step is shorter than fp32's"])
     if cfg.plot and rows:

@@ -1,13 +1,16 @@
 """Compression's term: what a compressed arm's step should cost on a slower link, and the link
 speed below which compression starts to pay. The smallest model that says it:
 
-    step(arm, link) = step(arm, no link) + bytes_sent(arm) x 8 / gbps
+    step(arm, link) = step(arm, no link) + link_bytes(arm) x 8 / gbps
 
 `step(arm, no link)` is measured (ddp_lab/bench/compression.py: the median of its runs without an
 emulated link); it holds the compressor's own compute (summary.json's
 `comm.compression.compress_ms`, the host time outside its collectives) and the host's part of
-sending. The emulated link (ddp_lab/dist.py's dist.link, a node per rank) then holds every byte a
-rank sends for bytes x beta (beta = 8 / (gbps 1e9) s a byte) on top: what this adds. It assumes
+sending. The emulated link (ddp_lab/dist.py's dist.link) then holds every byte that crosses it
+for bytes x beta (beta = 8 / (gbps 1e9) s a byte) on top: what this adds. `link_bytes` is what the
+busiest link carries in a step (summary.json's `link_bytes_per_step`, counted): with a node per
+rank (the study's default) every byte a rank sends; with shared links of several ranks (sync=hring
+on `dist.node_size=G`, `dist.link.shared=true`) the node's crossings together. It assumes
 none of that wait hides under backward (the link's waits run on the communication thread while
 backward goes on, so some can: the prediction is then an upper bound) and no latency term (the
 study's links have latency_us = 0).
@@ -27,14 +30,15 @@ import math
 from ddp_lab.dist import seconds_per_byte
 
 
-def wire_ms(bytes_sent: float, gbps: float) -> float:
-    """Milliseconds the emulated link holds `bytes_sent` of one rank; 0 without a link."""
-    return bytes_sent * seconds_per_byte(gbps) * 1e3
+def wire_ms(link_bytes: float, gbps: float) -> float:
+    """Milliseconds the emulated link holds `link_bytes`; 0 without a link."""
+    return link_bytes * seconds_per_byte(gbps) * 1e3
 
 
-def predict_step_ms(step_ms_no_link: float, bytes_sent: float, gbps: float) -> float:
-    """An arm's step at `gbps` from its own step without the link and the bytes it sends."""
-    return step_ms_no_link + wire_ms(bytes_sent, gbps)
+def predict_step_ms(step_ms_no_link: float, link_bytes: float, gbps: float) -> float:
+    """An arm's step at `gbps` from its own step without the link and the bytes its busiest link
+    carries."""
+    return step_ms_no_link + wire_ms(link_bytes, gbps)
 
 
 def breakeven_gbps(step_ms: float, bytes_sent: float, base_step_ms: float,

@@ -122,8 +122,8 @@ class BucketedSync(GradSync):
         self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
         self._calls: dict[str, int] = {}  # collectives run this step, by name (counted ones)
         self._nonfinite: NonfiniteFlag | None = None  # the guard's, once it asks (below)
-        self._last = {"bytes_per_step": 0, "messages_per_step": 0, "comm_busy_ms": float("nan"),
-                      "launched_in_backward": 0, "collectives": {}}
+        self._last = {"bytes_per_step": 0, "messages_per_step": 0, "cross_node_bytes_per_step": 0,
+                      "comm_busy_ms": float("nan"), "launched_in_backward": 0, "collectives": {}}
         self._reset_step()
 
     # ---- set-up ----
@@ -332,6 +332,7 @@ class BucketedSync(GradSync):
     def _end_step(self) -> None:
         self._last = {"bytes_per_step": self._recorder.bytes_sent,
                       "messages_per_step": self._recorder.messages,
+                      "cross_node_bytes_per_step": self._recorder.cross_node_bytes,
                       "comm_busy_ms": self._busy_s * 1e3 if not self.cuda else float("nan"),
                       "launched_in_backward": self._launched_in_backward,
                       "collectives": self._calls}
@@ -374,6 +375,7 @@ class BucketedSync(GradSync):
                 "buckets": len(self.buckets), "bucket_bytes": [b.nbytes for b in self.buckets],
                 "bytes_per_step": self.bytes_per_step(),
                 "messages_per_step": self._last["messages_per_step"],
+                "cross_node_bytes_per_step": self._last["cross_node_bytes_per_step"],
                 "comm_busy_ms": self.comm_busy_ms(),
                 "buckets_launched_in_backward": self._last["launched_in_backward"],
                 "collectives_per_step": dict(self._last["collectives"]),
