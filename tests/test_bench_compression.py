@@ -95,6 +95,25 @@ def test_sync_and_training_overrides_go_to_every_run_replacing_the_recipes(monke
     assert "sync=ring" not in kept and "optim=adamw" not in kept and "train.batch_size=32" in kept
 
 
+def test_runs_with_and_without_a_link_share_one_node_layout(tmp_path):
+    """The prediction prices the link bytes counted by the runs without a link: they must be laid
+    out on the linked runs' nodes (one rank each), else one node counts no crossing at all; a
+    layout on the command line (sync=hring dist.node_size=2) reaches both alike."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.structured(compression.CompressionConfig(
+        arms=["fp32"], seeds=[0], nproc=[4], gbps=[0.0, 10.0], repeats=1))
+    for passed, size in (([], "1"), (["dist.node_size=2"], "2")):
+        compression.PASSED[:] = passed
+        try:
+            layouts = {what["phase"]: [a for a in point.args if a.startswith("dist.node_size=")]
+                       for point, what in compression.plan(cfg, str(tmp_path))}
+        finally:
+            compression.PASSED[:] = []
+        assert {phase: sizes[-1] if sizes else None for phase, sizes in layouts.items()} == {
+            "accuracy": f"dist.node_size={size}", "link": f"dist.node_size={size}"}
+
+
 def test_tabulate_only_reads_what_a_cut_study_left_and_launches_nothing(tmp_path, monkeypatch):
     """A study cut short by a time limit: its finished runs are tabulated from their
     summary.json; the run it never reached is listed as missing, and nothing is launched."""

@@ -63,6 +63,9 @@ RECIPE = ["sync=ring", "optim=adamw", "optim.warmup_steps=5", "train.batch_size=
           "train.calibrate_steps=0", "train.progress=false", "train.resume=never",
           "train.checkpoint_every=1000000"]
 PASSED = []  # the command line's training overrides (main)
+# Every run, linked or not: every rank its own node, so the runs without a link count the bytes
+# the linked runs' links will carry (summary.json's link_bytes_per_step: 0 on one node).
+NODES = ["dist.node_size=1"]
 
 
 @dataclass
@@ -120,7 +123,7 @@ def plan(cfg, run_dir: str) -> list:
         compressor = arm.startswith(("powersgd", "topk"))
         start = [f"sync.compress_start={cfg.compress_start}"] if compressor else []
         point = Point(name, n, "ring", arm, "compression", 32,
-                      [*recipe(), *ARMS[arm], *start, f"seed={seed}", *args, *PASSED],
+                      [*recipe(), *ARMS[arm], *start, f"seed={seed}", *NODES, *args, *PASSED],
                       os.path.join(run_dir, "runs", name))
         points.append((point, {"phase": kind, "nproc": n, "arm": arm, "seed": seed,
                                "gbps": gbps, "repeat": repeat}))
@@ -135,8 +138,7 @@ def plan(cfg, run_dir: str) -> list:
                 for repeat in range(cfg.repeats):
                     add("link", n, arm, cfg.seeds[0], gbps, repeat, [
                         f"train.max_steps={cfg.timing_steps}", "train.eval_every_epochs=0",
-                        f"train.timing_warmup={cfg.timing_warmup}", "dist.node_size=1",
-                        f"dist.link.gbps={gbps:g}"])
+                        f"train.timing_warmup={cfg.timing_warmup}", f"dist.link.gbps={gbps:g}"])
     return points
 
 
