@@ -95,6 +95,27 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def calibrate(parts: Parts, stream, passes: int) -> tuple[float | None, int | None]:
+    """The loop's calibration: `time_local_backward` on the stream's first batch (None with no
+    passes) and, on CUDA, the most allocated up to its end (the run's build included). The peak
+    statistics are then reset, so the run's own peak is its training's: the calibration's first
+    backward can take more than any step's (cuDNN trying algorithms, each with a workspace)."""
+    if not passes:
+        return None, None
+    device = next(parts.model.parameters()).device
+    # (the batch is a temporary: this frame does not hold its fetch through the reset)
+    return time_local_backward(parts, next(stream.epoch(0)), passes), peak_and_reset(device)
+
+
+def peak_and_reset(device: torch.device) -> int | None:
+    """On CUDA, the most allocated since the peak statistics were last reset; then resets them."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 def time_local_backward(parts: Parts, batch: tuple, passes: int) -> float:
     """Median backward time (ms) of `passes` micro-steps that do not reduce gradients (after
     two untimed ones). DDP waits for its all-reduces inside backward, so its exposed

@@ -63,8 +63,10 @@ def write_summary(run, progress) -> dict:
             log.warning("train.trace: the run ends before step %d, the first after the timing "
                         "warm-up: nothing traced", tracer.first)
         summary["overlap"] = trace.write(tracer, ctx.run_dir, info.is_main)
-    if info.device.type == "cuda":
+    if info.device.type == "cuda":  # the training's peak; the calibration's before it (None: none)
         summary["max_memory_allocated_GiB"] = torch.cuda.max_memory_allocated(info.device) / 2**30
+        peak = run.rec.calibration_peak
+        summary["calibration_max_memory_allocated_GiB"] = None if peak is None else peak / 2**30
     if info.is_main:
         _write(run, progress, summary)
     return summary

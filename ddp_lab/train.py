@@ -40,8 +40,7 @@ from ddp_lab.graph import EAGER_CALLS, GraphedTrainStep, check_supported
 from ddp_lab.guard import Guard
 from ddp_lab.metrics import NullLogger, StepTimer, make_logger, medians, with_exposed_comm
 from ddp_lab.optim import build_scheduler
-from ddp_lab.step import (Parts, TrainStep, build_parts, build_step, compiled_graphs,
-                          time_local_backward)
+from ddp_lab.step import Parts, TrainStep, build_parts, build_step, calibrate, compiled_graphs
 from ddp_lab.summary import write_summary
 from ddp_lab.trace import Tracer
 
@@ -119,6 +118,7 @@ class Recorders:
     tracer: Tracer | None  # train.trace: a timeline of a few steps
     memory: HeldMemory  # bytes this rank holds, counted at the first optimizer step
     local_backward_ms: float | None  # backward without communication (calibrated)
+    calibration_peak: int | None  # CUDA: bytes allocated at most up to the calibration's end
     compiled_before: int  # graphs torch.compile had made before this run
 
 
@@ -175,12 +175,11 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     logger = make_logger(run_dir, info.is_main)
     closing.callback(logger.close)
     memory = HeldMemory(parts.model, parts.optimizer, parts.sync)
-    local_backward_ms = (time_local_backward(parts, next(data.train.epoch(0)),
-                                             cfg.train.calibrate_steps)
-                         if cfg.train.calibrate_steps else None)
+    local_backward_ms, calibration_peak = calibrate(parts, data.train, cfg.train.calibrate_steps)
     run = Run(ctx=ctx, length=length, data=data, parts=parts, scheduler=scheduler, guard=guard,
               faults=faults, step=build_step(parts, guard, cfg.train, cfg.optim),
-              rec=Recorders(timer, logger, tracer, memory, local_backward_ms, compiled_before))
+              rec=Recorders(timer, logger, tracer, memory, local_backward_ms, calibration_peak,
+                            compiled_before))
     if info.is_main:
         record_run(run)
     return run

@@ -106,8 +106,12 @@ def measure(cfg, stage: int, precision: str, out_dir: str) -> None:
         writer.writerows(rows)
     parts = memory_fit.predicted_peak_parts(cfg, precision, summary)
     peak = sum(r["bytes"] for r in rows)
+    # the loop resets the peak statistics after its calibration: the two peaks, in summary.json
+    training, calibration = (summary[k] or float("nan") for k in (
+        "max_memory_allocated_GiB", "calibration_max_memory_allocated_GiB"))
     print(f"\n== {precision}, zero={stage}: peak {peak / GB:.3f} GB at event {at} of {len(trace)} "
-          f"(max_memory_allocated {torch.cuda.max_memory_allocated(device) / GB:.3f} GB, "
+          f"(max_memory_allocated {training * 2**30 / GB:.3f} GB in training, "
+          f"{calibration * 2**30 / GB:.3f} GB up to the calibration's end, "
           f"{before / GB:.3f} GB allocated before), predicted {sum(parts.values()) / GB:.3f} GB")
     print("predicted: " + ", ".join(f"{k[:-6]} {v / GB:.3f}" for k, v in parts.items()))
     print(f"{'GB':>7} {'blocks':>6}  allocated in")

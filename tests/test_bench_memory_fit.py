@@ -4,6 +4,7 @@ raw parameter count, a torchvision name, predicted memory without a GPU, clear e
 import json
 
 import pytest
+import torch
 
 from ddp_lab.bench.memory_fit import fit_rows
 from background import background
@@ -107,6 +108,36 @@ def test_torchvision_model_and_predicted_memory_on_cpu(measured):
     # zero=3: the shards (the whole, at N=1) and two units gathered: that layer and the one
     # prefetched for the backward after it (1024 -> 4096 and its bias)
     assert zero[3]["params_gb"] == pytest.approx(p + unit + fc1)
+
+
+def test_the_predicted_peak_counts_the_data_pipelines_device_bytes(monkeypatch):
+    """The data source's device bytes in the predicted peak, held against a measure_zero run's
+    data built on the CPU and counted from its storages: the training stream's fetch window (6
+    bf16 or 3 fp32 batches here, as on the H100 page at 224 px, each image with its int64 label)
+    and the two synthetic sets as stored (a pool of data.pool_size images and the labels each),
+    where the prediction used to count one fp32 batch."""
+    import ddp_lab.data.streams as streams
+    from ddp_lab.bench.memory_fit import predicted_peak_parts, zero_train_config
+    from ddp_lab.cli import compose
+    from ddp_lab.data import build_data
+
+    cpu, image = torch.device("cpu"), 3 * 32 * 32  # alexnet_cifar's 32 px images
+    monkeypatch.setattr(streams, "FETCH_MAX_BYTES", 6 * 32 * image * 2 + 5)  # 6 bf16 batches
+    cfg = compose(["measure_model=alexnet_cifar", "measure_batch=32", "measure_steps=1"],
+                  "bench/memory_fit")
+    for precision, itemsize, batches in (("bf16", 2, 6), ("fp32", 4, 3)):
+        data = build_data(zero_train_config(cfg, 0, precision, cpu), 0, 1, cpu)
+        x, y = next(data.train.epoch(0, last_epoch=0))  # the run's 3 steps: in epoch 0
+        window = x.untyped_storage().nbytes() + y.untyped_storage().nbytes()
+        assert window == batches * 32 * (image * itemsize + 8)
+        sets = sum(t.untyped_storage().nbytes() for s in (data.train.dataset, data.val.dataset)
+                   for t in (s.pool, s.labels))
+        assert sets == 2 * 256 * image * itemsize + (50_000 + 32) * 8  # pools; labels: 50,000 + 32
+        summary = {"device": "cpu", "memory": {"zero": 0, "predicted": {"params_bytes": [5]}}}
+        parts = predicted_peak_parts(cfg, precision, summary)
+        assert parts.keys() == {"params_bytes", "activations_bytes", "autocast_copies_bytes",
+                                "data_window_bytes", "data_sets_bytes"}  # no one-batch input
+        assert (parts["data_window_bytes"], parts["data_sets_bytes"]) == (window, sets)
 
 
 def test_unknown_model_is_one_clear_line(unknown_model):

@@ -266,7 +266,7 @@ def test_epochs_fetched_ahead_equal_epochs_fetched_alone(monkeypatch, data):
     alone.epochs_ahead = False
     epoch_bytes = ahead.num_batches() * 32 * ahead.dataset.sample_bytes()
     monkeypatch.setattr(data_mod, "FETCH_MAX_BYTES", 3 * epoch_bytes + 1)  # 3 epochs a fetch
-    assert ahead.epochs_ahead and ahead._epochs_per_fetch(0) == 3
+    assert ahead.epochs_ahead and ahead._window(0) == (3, 3 * ahead.num_batches() * 32)
 
     def batches(stream, epoch, start_batch=0):
         return [(x.clone(), y.clone(), x._base) for x, y in stream.epoch(epoch, start_batch)]
@@ -284,13 +284,60 @@ def test_epochs_fetched_ahead_equal_epochs_fetched_alone(monkeypatch, data):
     assert fetch(3) == fetch(4) == fetch(5) and fetch(6) == fetch(7) != fetch(5)
 
     # A run that ends in epoch 4 (the trainer's last_epoch) fetches nothing past it.
-    assert [ahead._epochs_per_fetch(e, last_epoch=4) for e in (0, 2, 3, 4)] == [3, 3, 2, 1]
+    assert [ahead._window(e, last_epoch=4)[0] for e in (0, 2, 3, 4)] == [3, 3, 2, 1]
     last = [[(x.clone(), y.clone(), x._base) for x, y in ahead.epoch(e, last_epoch=4)]
             for e in (3, 4)]
     assert last[0][0][2].data_ptr() == last[1][0][2].data_ptr()  # epochs 3 and 4, together
     assert last[0][0][2].numel() == 2 * last[0][0][0].numel() * ahead.num_batches()
     for e, got in zip((3, 4), last):
         assert all(torch.equal(x, xr) for (x, _, _), (xr, _, _) in zip(got, batches(alone, e)))
+
+
+def fetches_alive(batches) -> list[int]:
+    """Bytes of each fetch the batches are views of, in order: the storages behind a batch's
+    images and labels, which the batch keeps alive while it is in use. (All are kept until
+    counted: a freed fetch's address could be reused by a later one.)"""
+    sizes = {}
+    for x, y in list(batches):
+        sizes.setdefault((x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()),
+                         x.untyped_storage().nbytes() + y.untyped_storage().nbytes())
+    return list(sizes.values())
+
+
+def test_fetch_window_is_what_a_batch_keeps_alive(monkeypatch):
+    """A batch is a view of its fetch, so while in use it keeps the whole fetch alive: as many
+    whole batches as fit in FETCH_MAX_BYTES (at least one), at most the epoch's, or whole epochs
+    where one fits several times (bounded by the run's last epoch), each sample in the set's
+    stored dtype with its int64 label. `fetch_window` (what memory_fit's prediction counts) is
+    held against the bytes counted from the storages, exactly."""
+    import ddp_lab.data.streams as data_mod
+    from ddp_lab.data.streams import fetch_window
+
+    cfg = compose_config(["data=synthetic", "data.num_samples=300", "data.val_samples=70",
+                          "train.batch_size=32", "precision=bf16", "train.channels_last=true"])
+    d = build_data(cfg, 0, 1, torch.device("cpu"))
+    sample = d.train.dataset.sample_bytes()
+    assert sample == 3 * 32 * 32 * 2  # bf16: the stored dtype, not the fp32 the model sees
+    per_sample = sample + 8  # and an int64 label
+    epoch = 9 * 32  # 300 samples: 9 whole batches (the last partial one dropped)
+
+    # a window of 4 batches: the epoch is 4 + 4 + 1 of them, the largest fetch 4 batches
+    monkeypatch.setattr(data_mod, "FETCH_MAX_BYTES", 4 * 32 * sample + 100)
+    assert fetch_window(32, sample, epoch) == (1, 4 * 32)
+    assert fetches_alive(epoch_alone(d.train, 1)) == [s * per_sample for s in (128, 128, 32)]
+    # the default 512 MiB: bounded by the epoch, and validation's (70 samples, kept whole)
+    monkeypatch.setattr(data_mod, "FETCH_MAX_BYTES", 512 * 2**20)
+    assert fetch_window(32, sample, epoch) == (1, epoch) and fetch_window(32, sample, 70) == (1, 70)
+    assert fetches_alive(epoch_alone(d.train, 1)) == [epoch * per_sample]
+    assert fetches_alive(d.val.epoch(0)) == [70 * per_sample]
+
+    # epochs ahead: 3 epochs a fetch, or 2 where the run ends with the next epoch
+    monkeypatch.setattr(data_mod, "FETCH_MAX_BYTES", 3 * epoch * sample + 1)
+    assert fetch_window(32, sample, epoch, epochs_ahead=True) == (3, 3 * epoch)
+    assert fetch_window(32, sample, epoch, epochs_ahead=True, epochs_left=2) == (2, 2 * epoch)
+    assert fetch_window(32, sample, epoch) == (1, epoch)  # (without epochs_ahead: one at most)
+    assert fetches_alive(d.train.epoch(0)) == [3 * epoch * per_sample]
+    assert fetches_alive(d.train.epoch(3, last_epoch=4)) == [2 * epoch * per_sample]
 
 
 def test_a_rank_with_an_empty_validation_shard_yields_no_batches():

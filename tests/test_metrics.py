@@ -95,6 +95,46 @@ def test_exposed_comm_is_what_backward_and_comm_took_beyond_local_backward():
     assert with_exposed_comm(phases, None, 1) == phases
 
 
+def test_the_calibrations_peak_is_read_then_reset(monkeypatch):
+    """On CUDA the peak up to the calibration's end is read, then the peak statistics are reset,
+    in that order: summary.json's max_memory_allocated_GiB is then the training's alone, without
+    the calibration's transient. Nothing on the CPU, nor without a calibration."""
+    from ddp_lab.step import calibrate, peak_and_reset
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device: calls.append(("peak", device)) or 123)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device: calls.append(("reset", device)))
+    cuda = torch.device("cuda", 0)
+    assert peak_and_reset(cuda) == 123 and calls == [("peak", cuda), ("reset", cuda)]
+    calls.clear()
+    assert peak_and_reset(torch.device("cpu")) is None and calls == []
+    assert calibrate(None, None, passes=0) == (None, None) and calls == []
+
+
+def test_a_calibration_on_the_cpu_times_backward_and_reads_no_peak():
+    from omegaconf import OmegaConf
+
+    from ddp_lab.data import build_data
+    from ddp_lab.dist import DistInfo
+    from ddp_lab.step import build_parts, calibrate
+    from helpers import SMALL, compose_config
+
+    cfg = OmegaConf.to_object(compose_config(SMALL + ["sync=none", "train.batch_size=4"]))
+    cpu = torch.device("cpu")
+    flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.backends.cudnn.benchmark)
+    try:
+        with torch.random.fork_rng():  # (build_parts seeds the global generator)
+            parts = build_parts(cfg, DistInfo(0, 0, 1, 1, "none", cpu), 10)
+            ms, peak = calibrate(parts, build_data(cfg, 0, 1, cpu).train, passes=1)
+    finally:  # build_parts sets process-wide flags: as they were, for the other tests
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         torch.backends.cudnn.benchmark) = flags
+    assert ms > 0 and peak is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_marks_time_the_gpu_work_of_each_phase_and_recycle_their_events(monkeypatch):
     """Phases whose GPU work alternates long/short from step to step, queued ahead of the GPU in

@@ -58,11 +58,16 @@ def prepare_in_memory(ds, cfg, device, compute_dtype: torch.dtype, augmented: bo
         ds.to_channels_last()
 
 
+def compute_dtype(cfg) -> torch.dtype:
+    """The dtype in-memory sets are stored and batched in: autocast's, else fp32."""
+    return AUTOCAST_DTYPES[cfg.precision.autocast_dtype] or torch.float32
+
+
 def build_data(cfg, rank: int, world_size: int, device) -> Data:
     """The data set named by `cfg.data`, split into this rank's train and val batch streams."""
     d = cfg.data
-    compute_dtype = AUTOCAST_DTYPES[cfg.precision.autocast_dtype] or torch.float32
-    train_set, val_set = DATASETS[d.name](cfg, device, compute_dtype)
+    dtype = compute_dtype(cfg)
+    train_set, val_set = DATASETS[d.name](cfg, device, dtype)
 
     per_step = world_size * cfg.train.batch_size * cfg.train.accum_steps
     if len(train_set) < per_step:
@@ -86,8 +91,8 @@ def build_data(cfg, rank: int, world_size: int, device) -> Data:
     else:
         augments = d.augment and "augment" in DATASETS.details(d.name)["reads"]
         augment_seed = cfg.seed if augments else None
-        prepare_in_memory(train_set, cfg, device, compute_dtype, augment_seed is not None)
-        prepare_in_memory(val_set, cfg, device, compute_dtype, False)
+        prepare_in_memory(train_set, cfg, device, dtype, augment_seed is not None)
+        prepare_in_memory(val_set, cfg, device, dtype, False)
         train = DeviceBatches(train_set, train_indices, cfg.train.batch_size, device, True,
                               augment_seed=augment_seed, epochs_ahead=True)
         val = DeviceBatches(val_set, val_indices, cfg.train.batch_size, device, False)

@@ -29,6 +29,23 @@ FETCH_MAX_BYTES = 512 * 2**20
 GATHER_CHUNK = 16384
 
 
+def fetch_window(batch_size: int, sample_bytes: int, epoch_samples: int,
+                 epochs_ahead: bool = False, epochs_left: int | None = None) -> tuple[int, int]:
+    """(epochs, samples) of a `DeviceBatches` fetch, the largest of an epoch of `epoch_samples`:
+    with `epochs_ahead`, whole epochs where one fits in FETCH_MAX_BYTES several times (at most
+    `epochs_left`, None: no end known); else as many whole batches as fit (at least one), at most
+    the epoch's. The stream fetches by it, and memory_fit's predicted peak counts by it: a batch
+    in use keeps its whole fetch alive."""
+    epoch_bytes = epoch_samples * sample_bytes
+    epochs = FETCH_MAX_BYTES // epoch_bytes if epochs_ahead and epoch_bytes else 1
+    if epochs_left is not None:  # (a short run: fetching past its end is wasted work)
+        epochs = min(epochs, epochs_left)
+    if epochs > 1:
+        return epochs, epochs * epoch_samples
+    batches = max(1, FETCH_MAX_BYTES // (batch_size * sample_bytes))
+    return 1, min(batches * batch_size, epoch_samples)
+
+
 class BatchStream:
     """One rank's batches of a data set, epoch by epoch: `epoch(e, start_batch, last_epoch)`
     resumes mid-epoch; `last_epoch`, the last epoch the run reads (None: no end known), bounds
@@ -62,11 +79,12 @@ class DeviceBatches(BatchStream):
 
     def epoch(self, epoch: int, start_batch: int = 0,
               last_epoch: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epochs, window = self._window(epoch, last_epoch)
         if epoch not in self._ahead:
             self._ahead.clear()  # a jump (a resume, a calibration pass): what waits is stale
-            epochs = range(epoch, epoch + self._epochs_per_fetch(epoch, last_epoch))
-            if len(epochs) > 1:
-                self._ahead = dict(zip(epochs, self._fetch_epochs(epochs)))
+            if epochs > 1:
+                ahead = range(epoch, epoch + epochs)
+                self._ahead = dict(zip(ahead, self._fetch_epochs(ahead)))
         if epoch in self._ahead:
             yield from map(self._placed, self._ahead.pop(epoch)[start_batch:])
             return
@@ -75,24 +93,21 @@ class DeviceBatches(BatchStream):
         # a small model's step is bounded by how fast the host issues ops, and a batch fetched
         # alone takes several of them (more augmented). Samples are fetched alike whatever the batch they
         # come in (augmentation is per sample), so the batches are the same.
-        batch_bytes = self.batch_size * self.dataset.sample_bytes()
-        window = max(1, FETCH_MAX_BYTES // batch_bytes) * self.batch_size  # samples per fetch
-        for w in range(0, len(idx), window):
+        for w in range(0, len(idx), max(1, window)):  # (an empty shard's window is 0 samples)
             part = slice(w, w + window)
             yield from map(self._placed, self._batches(idx[part],
                                                        None if draws is None else draws[:, part]))
 
     @functools.cached_property
-    def _epoch_bytes(self) -> int:  # every epoch's: counted once (each count draws a permutation)
-        return self.num_batches() * self.batch_size * self.dataset.sample_bytes()
+    def _epoch_samples(self) -> int:  # every epoch's: counted once (each count draws a permutation)
+        n = len(self.indices_for_epoch(0))
+        return min(n, self._batches_of(n) * self.batch_size)  # as `_samples` cuts them
 
-    def _epochs_per_fetch(self, epoch: int, last_epoch: int | None = None) -> int:
-        if not self.epochs_ahead or self._epoch_bytes == 0:
-            return 1
-        ahead = FETCH_MAX_BYTES // self._epoch_bytes
-        if last_epoch is not None:  # (a short run: fetching past its end is wasted work)
-            ahead = min(ahead, last_epoch + 1 - epoch)
-        return max(1, ahead)
+    def _window(self, epoch: int, last_epoch: int | None = None) -> tuple[int, int]:
+        """(epochs, samples) of a fetch from `epoch` on: `fetch_window`'s."""
+        left = None if last_epoch is None else last_epoch + 1 - epoch
+        return fetch_window(self.batch_size, self.dataset.sample_bytes(), self._epoch_samples,
+                            self.epochs_ahead, left)
 
     def _fetch_epochs(self, epochs: range) -> list[list]:
         """The batches of each of `epochs`, from one index copy and one fetch."""
