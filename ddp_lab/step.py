@@ -103,8 +103,10 @@ def calibrate(parts: Parts, stream, passes: int) -> tuple[float | None, int | No
     if not passes:
         return None, None
     device = next(parts.model.parameters()).device
-    # (the batch is a temporary: this frame does not hold its fetch through the reset)
-    return time_local_backward(parts, next(stream.epoch(0)), passes), peak_and_reset(device)
+    # Epoch 0 alone (last_epoch=0: nothing fetched ahead, nothing left waiting in the stream),
+    # its batch a temporary: no fetch of the calibration's is alive through the reset.
+    return (time_local_backward(parts, next(stream.epoch(0, last_epoch=0)), passes),
+            peak_and_reset(device))
 
 
 def peak_and_reset(device: torch.device) -> int | None:

@@ -109,6 +109,11 @@ class Length:
     stop_step: int  # total_steps, or train.stop_at_step
     global_batch: int  # images per optimizer step, over all ranks
 
+    @property
+    def last_epoch(self) -> int:
+        """The last epoch the run reads (its streams fetch nothing past it)."""
+        return (self.stop_step - 1) // self.steps_per_epoch
+
 
 @dataclass(frozen=True)
 class Recorders:
@@ -188,11 +193,19 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
 def run_length(cfg, data: Data, world_size: int, resumed: dict | None) -> Length:
     """The run's steps: train.max_steps, or train.epochs of what the data allows per epoch."""
     tcfg = cfg.train
-    steps_per_epoch = data.train.num_batches(0) // tcfg.accum_steps
+    length = planned_length(tcfg, data.train.num_batches(0), world_size,
+                            resumed["step"] if resumed is not None else 0)
+    check_steps_reachable(cfg, length.total_steps,
+                          f"{tcfg.epochs} epochs of {length.steps_per_epoch} steps")
+    return length
+
+
+def planned_length(tcfg, batches_per_epoch: int, world_size: int, start_step: int = 0) -> Length:
+    """train.max_steps, or train.epochs of `batches_per_epoch` (this rank's), and where
+    train.stop_at_step stops the run: from the config alone (memory_fit predicts from it)."""
+    steps_per_epoch = batches_per_epoch // tcfg.accum_steps
     total_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
-    check_steps_reachable(cfg, total_steps, f"{tcfg.epochs} epochs of {steps_per_epoch} steps")
-    return Length(steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                  start_step=resumed["step"] if resumed is not None else 0,
+    return Length(steps_per_epoch=steps_per_epoch, total_steps=total_steps, start_step=start_step,
                   stop_step=min(total_steps, tcfg.stop_at_step or total_steps),
                   global_batch=tcfg.batch_size * tcfg.accum_steps * world_size)
 
@@ -276,10 +289,9 @@ def micro_batches(run: Run) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]
     """Each step's micro-batches, from the resumed position on, epoch after epoch."""
     accum, spe = run.ctx.cfg.train.accum_steps, run.length.steps_per_epoch
     epoch, step_in_epoch = divmod(run.length.start_step, spe)
-    last_epoch = (run.length.stop_step - 1) // spe  # (no fetching ahead past the run's end)
     while True:
         batches = run.data.train.epoch(epoch, start_batch=step_in_epoch * accum,
-                                       last_epoch=last_epoch)
+                                       last_epoch=run.length.last_epoch)
         for _ in range(step_in_epoch, spe):
             yield [(x.contiguous(memory_format=run.parts.memory_format), y)
                    for x, y in (next(batches) for _ in range(accum))]

@@ -35,7 +35,8 @@ def test_compression_pays_below_the_breakeven_speed():
 def _run(arm, gbps, step_ms, seed=0, acc=0.8, nbytes=1000, elements=250, link_bytes=None):
     return {"phase": "accuracy" if gbps == 0 else "link", "nproc": 2, "arm": arm, "seed": seed,
             "gbps": gbps, "status": "ok", "val_accuracy": acc, "step_ms": step_ms,
-            "bytes_per_step": nbytes, "link_bytes_per_step": link_bytes or nbytes,
+            "bytes_per_step": nbytes,
+            "link_bytes_per_step": nbytes if link_bytes is None else link_bytes,
             "elements_per_step": elements, "gradient_elements": 250, "compress_ms": 0.0,
             "steps_to_target": 10}
 
@@ -67,6 +68,15 @@ def test_the_prediction_prices_what_the_busiest_link_carries():
     runs = [_run("fp32", 0.0, 100.0, link_bytes=2000), _run("fp32", 1.0, 100.0, link_bytes=2000)]
     linked = {r["gbps"]: r for r in arm_rows(runs, cfg)}[1.0]
     assert linked["predicted_step_ms"] == pytest.approx(100.0 + 2000 * 8 / 1e9 * 1e3, rel=1e-12)
+
+
+def test_a_sync_that_counts_no_link_bytes_is_priced_by_its_own_bytes():
+    """sync=ddp (torch's all-reduce) writes link_bytes_per_step null: the study prices rank 0's
+    bytes (the same on nodes of one rank) instead of failing on None; a count of 0 stays 0."""
+    summary = {"comm_bytes_per_step": 1000, "link_bytes_per_step": None}
+    assert compression._link_bytes(summary) == 1000
+    assert compression._link_bytes({"comm_bytes_per_step": 1000}) == 1000  # an older study
+    assert compression._link_bytes({**summary, "link_bytes_per_step": 0}) == 0
 
 
 @pytest.mark.parametrize("keys, message", [

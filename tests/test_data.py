@@ -338,6 +338,11 @@ def test_fetch_window_is_what_a_batch_keeps_alive(monkeypatch):
     assert fetch_window(32, sample, epoch) == (1, epoch)  # (without epochs_ahead: one at most)
     assert fetches_alive(d.train.epoch(0)) == [3 * epoch * per_sample]
     assert fetches_alive(d.train.epoch(3, last_epoch=4)) == [2 * epoch * per_sample]
+    # Epochs fetched together are cut into whole batches: a stream that keeps a partial last
+    # batch cannot fetch ahead (it would move samples across epochs); refused where it is built.
+    with pytest.raises(ValueError, match="epochs_ahead needs drop_last"):
+        type(d.train)(d.val.dataset, d.val.indices_for_epoch, 32, torch.device("cpu"), False,
+                      epochs_ahead=True)
 
 
 def test_a_rank_with_an_empty_validation_shard_yields_no_batches():

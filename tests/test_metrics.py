@@ -2,6 +2,7 @@
 the steps add up to the wall clock; warm-up steps are left out; windows report each step once."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,6 +112,17 @@ def test_the_calibrations_peak_is_read_then_reset(monkeypatch):
     calls.clear()
     assert peak_and_reset(torch.device("cpu")) is None and calls == []
     assert calibrate(None, None, passes=0) == (None, None) and calls == []
+
+    # calibrate: the backward first, then the peak read and reset; its batch from epoch 0 alone
+    import ddp_lab.step
+
+    monkeypatch.setattr(ddp_lab.step, "time_local_backward",
+                        lambda parts, batch, passes: calls.append(("backward", batch)) or 5.0)
+    param = SimpleNamespace(device=cuda)
+    parts = SimpleNamespace(model=SimpleNamespace(parameters=lambda: iter([param])))
+    stream = SimpleNamespace(epoch=lambda e, last_epoch=None: iter([(e, last_epoch)]))
+    assert calibrate(parts, stream, passes=2) == (5.0, 123)
+    assert calls == [("backward", (0, 0)), ("peak", cuda), ("reset", cuda)]
 
 
 def test_a_calibration_on_the_cpu_times_backward_and_reads_no_peak():

@@ -154,12 +154,18 @@ def run_row(point, what: dict, target: float) -> dict:
     return row | {
         "val_accuracy": s["val_accuracy"], "step_ms": s["time_ms"].get("step", math.nan),
         "bytes_per_step": s["comm_bytes_per_step"],
-        # what the busiest link carried (a study from before it was counted: rank 0's bytes)
-        "link_bytes_per_step": s.get("link_bytes_per_step", s["comm_bytes_per_step"]),
+        "link_bytes_per_step": _link_bytes(s),
         "elements_per_step": compression.get("elements_per_step", s["parameters"]),
         "gradient_elements": s["parameters"],
         "compress_ms": compression.get("compress_ms", 0.0),
         "steps_to_target": reached[0] if reached else None, "curve": curve}
+
+
+def _link_bytes(summary: dict) -> float:
+    """What the busiest link carried per step; rank 0's bytes where it was not counted (sync=ddp:
+    torch's all-reduce, or a study from before the count), the same on nodes of one rank."""
+    counted = summary.get("link_bytes_per_step")
+    return summary["comm_bytes_per_step"] if counted is None else counted
 
 
 def read_back(point) -> None:

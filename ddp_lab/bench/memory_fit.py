@@ -278,13 +278,13 @@ def data_device_bytes(run_cfg) -> dict[str, int]:
     validation's window, alive only while it evaluates."""
     from ddp_lab.data.build import compute_dtype
     from ddp_lab.data.streams import fetch_window
+    from ddp_lab.train import planned_length
 
     d, t = run_cfg.data, run_cfg.train
     sample, label = 3 * d.image_size**2 * compute_dtype(run_cfg).itemsize, torch.int64.itemsize
     batches = d.num_samples // t.batch_size  # an epoch's, the last partial one dropped
-    steps_per_epoch = batches // t.accum_steps
-    # the epochs the run reads (ddp_lab.train's last_epoch): the stream fetches none past them
-    epochs = ((t.max_steps or t.epochs * steps_per_epoch) - 1) // steps_per_epoch + 1
+    # the epochs the run reads: the stream fetches none past them
+    epochs = planned_length(t, batches, world_size=1).last_epoch + 1
     _, window = fetch_window(t.batch_size, sample, batches * t.batch_size, epochs_ahead=True,
                              epochs_left=epochs)
     return {"data_window_bytes": window * (sample + label),
@@ -319,6 +319,25 @@ def _check_zero(cfg) -> None:
         raise ConfigError(f"zero_scheme={cfg.zero_scheme!r} is not one of {', '.join(mem.SCHEMES)}")
     if not cfg.zero_gpus or min(cfg.zero_gpus) < 1:
         raise ConfigError(f"zero_gpus={list(cfg.zero_gpus)} must be GPU counts >= 1")
+
+
+def _report_zero_measured(cfg, run_dir: str) -> None:
+    """Table zero_measured: each stage trained at world size 1, held and peak (see the module)."""
+    report(measure_zero_rows(cfg, run_dir), run_dir, "zero_measured",
+           ["precision", "stage", "params_gb", "grads_gb", "optimizer_state_gb",
+            "comm_buffer_gb", "pred_held_gb", "pred_data_window_gb", "pred_data_sets_gb",
+            "pred_peak_gb", "measured_peak_gb", "calibration_peak_gb", "measured_over_pred"],
+           title=f"ZeRO at world size 1: {cfg.measure_model} batch {cfg.measure_batch}, "
+                 "sync=ring, AdamW; held (counted) and peak (predicted vs measured), GB",
+           notes=["held: counted from tensor storages, the most a step held (summary.json's "
+                  "memory block); pred_peak = the held bytes predicted + activations and "
+                  "autocast copies (ddp_lab.perf.memory) + the data source's device bytes: "
+                  "the training stream's fetch window (pred_data_window) and the two "
+                  "synthetic sets (pred_data_sets), where one fp32 batch was counted before",
+                  "measured = torch.cuda.max_memory_allocated over the training: its steps, "
+                  "evaluation and checkpoint; calibration_peak = up to the end of the "
+                  "calibration before them (the whole run's peak, which measured was "
+                  "before, is the larger of the two; nan on the CPU)"])
 
 
 def run(cfg, run_dir: str) -> list[dict]:
@@ -372,21 +391,7 @@ def run(cfg, run_dir: str) -> list[dict]:
                       "the CPU); the difference is cuDNN/cuBLAS workspaces, gradient temporaries "
                       "and the allocator's rounding"])
     if cfg.measure_zero:
-        report(measure_zero_rows(cfg, run_dir), run_dir, "zero_measured",
-               ["precision", "stage", "params_gb", "grads_gb", "optimizer_state_gb",
-                "comm_buffer_gb", "pred_held_gb", "pred_data_window_gb", "pred_data_sets_gb",
-                "pred_peak_gb", "measured_peak_gb", "calibration_peak_gb", "measured_over_pred"],
-               title=f"ZeRO at world size 1: {cfg.measure_model} batch {cfg.measure_batch}, "
-                     "sync=ring, AdamW; held (counted) and peak (predicted vs measured), GB",
-               notes=["held: counted from tensor storages, the most a step held (summary.json's "
-                      "memory block); pred_peak = the held bytes predicted + activations and "
-                      "autocast copies (ddp_lab.perf.memory) + the data source's device bytes: "
-                      "the training stream's fetch window (pred_data_window) and the two "
-                      "synthetic sets (pred_data_sets), where one fp32 batch was counted before",
-                      "measured = torch.cuda.max_memory_allocated over the training: its steps, "
-                      "evaluation and checkpoint; calibration_peak = up to the end of the "
-                      "calibration before them (the whole run's peak, which measured was "
-                      "before, is the larger of the two; nan on the CPU)"])
+        _report_zero_measured(cfg, run_dir)
     if cfg.plot:
         series = series_of(rows, "scheme", "params_b", "total_gb")
         plot_lines(series, os.path.join(run_dir, "memory_fit.png"), xlabel="parameters (B)",

@@ -74,6 +74,8 @@ class DeviceBatches(BatchStream):
 
     def __init__(self, *args, augment_seed: int | None = None, epochs_ahead: bool = False):
         super().__init__(*args)
+        if epochs_ahead and not self.drop_last:  # (epochs fetched together are cut in whole batches)
+            raise ValueError("DeviceBatches: epochs_ahead needs drop_last")
         self.augment_seed, self.epochs_ahead = augment_seed, epochs_ahead
         self._ahead: dict[int, list] = {}  # epoch -> its batches, fetched with an earlier one
 
