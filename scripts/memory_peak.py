@@ -2,7 +2,8 @@
 predicts: the runs of `python -m ddp_lab.bench.memory_fit measure_zero=[...]` (ddp_lab's loop,
 sync=ring, AdamW, world size 1) under the CUDA caching allocator's history
 (`torch.cuda.memory._record_memory_history`). The history is replayed to the moment the allocated
-bytes peak, and the blocks alive then are grouped by the code that allocated them.
+bytes peak after the loop's calibration (summary.json's max_memory_allocated_GiB starts there too),
+and the blocks alive then are grouped by the code that allocated them.
 
     python scripts/memory_peak.py OUT_DIR [memory_fit overrides, e.g. 'measure_zero=[0,2]']
 
@@ -26,19 +27,28 @@ GB = 1e9
 ENGINE = "(no Python frame: autograd engine)"
 
 
-def peak_index(trace: list[dict]) -> int:
-    """Index of the allocation at which the bytes allocated (alloc - free_completed, counted from
-    the start of the history) reach their maximum."""
+def peak_index(trace: list[dict], start: int = 0) -> int:
+    """Index of the allocation from `start` on at which the bytes allocated (alloc -
+    free_completed, counted from the start of the history) reach their maximum."""
     sizes, total, best, at = {}, 0, -1, -1
     for i, event in enumerate(trace):
         if event["action"] == "alloc":
             sizes[event["addr"]] = event["size"]
             total += event["size"]
-            if total > best:
+            if total > best and i >= start:
                 best, at = total, i
         elif event["action"] == "free_completed" and event["addr"] in sizes:
             total -= sizes.pop(event["addr"])
     return at
+
+
+def training_start(trace: list[dict]) -> int:
+    """The first event after the loop's calibration (the last allocated under
+    `time_local_backward`), where summary.json's max_memory_allocated_GiB starts (the loop resets
+    the peak statistics there); 0 without a calibration."""
+    marks = [i for i, event in enumerate(trace)
+             if any(f["name"] == "time_local_backward" for f in event.get("frames", []))]
+    return marks[-1] + 1 if marks else 0
 
 
 def live_at(trace: list[dict], index: int) -> list[dict]:
@@ -98,7 +108,7 @@ def measure(cfg, stage: int, precision: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"snapshot_{name}.pickle"), "wb") as f:
         pickle.dump(snapshot, f)
     trace = snapshot["device_traces"][device.index or torch.cuda.current_device()]
-    at = peak_index(trace)
+    at = peak_index(trace, training_start(trace))  # the training's peak, as summary.json's
     rows = by_label(live_at(trace, at))
     with open(os.path.join(out_dir, f"peak_{name}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["label", "bytes", "blocks"])

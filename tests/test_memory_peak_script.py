@@ -48,3 +48,16 @@ def test_the_peak_is_where_allocated_bytes_are_highest_and_frees_count_when_comp
 
 def test_a_history_without_ddp_lab_frames_is_labelled_outside():
     assert memory_peak.label([ADAMW]) == "(outside ddp_lab) > torch/optim/adamw.py:_multi_tensor_adamw"
+
+
+def test_the_training_peak_is_looked_for_after_the_calibration():
+    """The loop resets the peak statistics after calibrating: the script's peak is the training's
+    too, found after the last allocation under time_local_backward, though the calibration's
+    transient is higher."""
+    calibration = _frame("/x/site-packages/ddp_lab/step.py", "time_local_backward")
+    history = [_event("alloc", 9, 500, calibration),      # 500: the calibration's transient
+               _event("free_completed", 9, 500, calibration)] + HISTORY
+    assert memory_peak.peak_index(history) == 0
+    start = memory_peak.training_start(history)
+    assert start == 2 and memory_peak.peak_index(history, start) == 5  # HISTORY's peak, moved
+    assert memory_peak.training_start(HISTORY) == 0
