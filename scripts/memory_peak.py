@@ -90,7 +90,7 @@ def by_label(blocks: list[dict]) -> list[dict]:
 
 
 def measure(cfg, stage: int, precision: str, out_dir: str) -> None:
-    from ddp_lab.bench import memory_fit
+    from ddp_lab.bench import zero_peak
     from ddp_lab.bench.bare import free_memory
     from ddp_lab.bench.train_throughput import ddp_loop
 
@@ -100,7 +100,7 @@ def measure(cfg, stage: int, precision: str, out_dir: str) -> None:
     before = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(max_entries=500_000)
     run_dir = os.path.join(out_dir, f"zero{stage}_{precision}")
-    summary = ddp_loop(memory_fit.zero_train_config(cfg, stage, precision, device),
+    summary = ddp_loop(zero_peak.zero_train_config(cfg, stage, precision, device),
                        run_dir)["summary"]
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -114,7 +114,7 @@ def measure(cfg, stage: int, precision: str, out_dir: str) -> None:
         writer = csv.DictWriter(f, fieldnames=["label", "bytes", "blocks"])
         writer.writeheader()
         writer.writerows(rows)
-    parts = memory_fit.predicted_peak_parts(cfg, precision, summary)
+    parts = zero_peak.predicted_peak_parts(cfg, precision, summary)
     peak = sum(r["bytes"] for r in rows)
     # the loop resets the peak statistics after its calibration: the two peaks, in summary.json
     training, calibration = (summary[k] or float("nan") for k in (
@@ -137,12 +137,12 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: memory_peak.py needs a CUDA GPU (the allocator's history is CUDA's)")
-    from ddp_lab.bench.memory_fit import _image_shape
+    from ddp_lab.bench.memory_fit import image_shape
     from ddp_lab.cli import compose
 
     os.makedirs(args.out_dir, exist_ok=True)
     cfg = compose(args.overrides, "bench/memory_fit")
-    _image_shape(cfg)  # bad measure_* keys fail before any run
+    image_shape(cfg)  # bad measure_* keys fail before any run
     if not cfg.measure_zero:
         sys.exit("error: measure_zero is empty: give the stages, e.g. 'measure_zero=[0,1,2]'")
     for precision in cfg.measure_precisions:

@@ -117,7 +117,7 @@ def test_the_predicted_peak_counts_the_data_pipelines_device_bytes(monkeypatch):
     and the two synthetic sets as stored (a pool of data.pool_size images and the labels each),
     where the prediction used to count one fp32 batch."""
     import ddp_lab.data.streams as streams
-    from ddp_lab.bench.memory_fit import predicted_peak_parts, zero_train_config
+    from ddp_lab.bench.zero_peak import predicted_peak_parts, zero_train_config
     from ddp_lab.cli import compose
     from ddp_lab.data import build_data
 
