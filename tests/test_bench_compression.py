@@ -124,6 +124,18 @@ def test_runs_with_and_without_a_link_share_one_node_layout(tmp_path):
             "accuracy": f"dist.node_size={size}", "link": f"dist.node_size={size}"}
 
 
+def test_the_arms_take_turns_so_a_drift_in_load_falls_on_each_alike(tmp_path):
+    """Each seed, then each repeat on a link, runs every arm before the next one: fp32 and
+    PowerSGD alternate rather than run in two blocks minutes apart."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.structured(compression.CompressionConfig(
+        arms=["fp32", "powersgd-r2"], seeds=[0, 1], nproc=[2], gbps=[0.0, 1.0], repeats=2))
+    order = [(what["phase"], what["arm"]) for _, what in compression.plan(cfg, str(tmp_path))]
+    assert order == [(phase, arm) for phase in ("accuracy", "link") for _ in range(2)
+                     for arm in ("fp32", "powersgd-r2")]
+
+
 def test_tabulate_only_reads_what_a_cut_study_left_and_launches_nothing(tmp_path, monkeypatch):
     """A study cut short by a time limit: its finished runs are tabulated from their
     summary.json; the run it never reached is listed as missing, and nothing is launched."""

@@ -128,14 +128,16 @@ def plan(cfg, run_dir: str) -> list:
         points.append((point, {"phase": kind, "nproc": n, "arm": arm, "seed": seed,
                                "gbps": gbps, "repeat": repeat}))
 
+    # Arms take turns (each seed, each repeat runs every arm before the next), so a drift in
+    # the machine's load over minutes falls on every arm alike, not on the arms run last.
     for n in cfg.nproc:
-        for arm in cfg.arms:
-            for seed in cfg.seeds:
+        for seed in cfg.seeds:
+            for arm in cfg.arms:
                 add("accuracy", n, arm, seed, 0.0, 0, [f"train.max_steps={cfg.steps}",
                                                        f"train.timing_warmup={cfg.timing_warmup}"])
         for gbps in (g for g in cfg.gbps if g > 0):
-            for arm in cfg.link_arms or cfg.arms:
-                for repeat in range(cfg.repeats):
+            for repeat in range(cfg.repeats):
+                for arm in cfg.link_arms or cfg.arms:
                     add("link", n, arm, cfg.seeds[0], gbps, repeat, [
                         f"train.max_steps={cfg.timing_steps}", "train.eval_every_epochs=0",
                         f"train.timing_warmup={cfg.timing_warmup}", f"dist.link.gbps={gbps:g}"])
