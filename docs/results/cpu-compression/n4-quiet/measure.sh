@@ -1,0 +1,8 @@
+#!/bin/bash
+# 4 ranks on the quiet 2-core VM: fp32, PowerSGD r=2, top-k 1% without a link and at 10 and
+# 1 Gb/s, the arms taking turns. From the repository root; OUT=<run dir>.
+uptime > "$OUT.load"
+python -m ddp_lab.bench.compression 'nproc=[4]' 'gbps=[0,10,1]' 'arms=[fp32,powersgd-r2,topk-1pct]' \
+  'seeds=[0,1,2]' steps=16 timing_steps=12 timing_warmup=4 repeats=3 target_accuracy=0 \
+  train.eval_every_epochs=0 model.fc_width=512 hydra.run.dir="$OUT"
+uptime >> "$OUT.load"
