@@ -22,19 +22,21 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from ddp_lab.perf.compute import MODEL_DEFAULTS
 from ddp_lab.perf.memory import activation_bytes, build_meta_model
 
 
 def tensor_peak(model_name: str, batch: int, channels_last: bool) -> dict[str, int]:
     """The second step's peak, bytes per MemTracker category."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
+    size, classes = MODEL_DEFAULTS[model_name]
     # The parameters are real (a module cannot be converted once its tensors are fake); every
     # tensor the steps make is fake.
     model = build_meta_model(model_name).to_empty(device="cpu").to(memory_format=fmt)
     with FakeTensorMode(allow_non_fake_inputs=True):
         optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
-        x = torch.randn(batch, 3, 224, 224).contiguous(memory_format=fmt)
-        y = torch.randint(0, 1000, (batch,))
+        x = torch.randn(batch, 3, size, size).contiguous(memory_format=fmt)
+        y = torch.randint(0, classes, (batch,))
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
         with tracker:
@@ -52,13 +54,14 @@ def tensor_peak(model_name: str, batch: int, channels_last: bool) -> dict[str, i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
-    parser.add_argument("--model", default="alexnet")
+    parser.add_argument("--model", default="alexnet", choices=["alexnet", "alexnet_cifar"])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--channels-last", action="store_true")
     a = parser.parse_args()
     counted = tensor_peak(a.model, a.batch, a.channels_last)
+    size = MODEL_DEFAULTS[a.model][0]
     per_sample, fixed = activation_bytes(build_meta_model(a.model).to_empty(device="cpu"),
-                                         (3, 224, 224), None, a.channels_last)
+                                         (3, size, size), None, a.channels_last)
     row = {"model": a.model, "batch": a.batch, "channels_last": a.channels_last,
            "torch": torch.__version__, "peak_bytes": counted,
            "predicted_activations_bytes": int(per_sample * a.batch + fixed)}
