@@ -81,7 +81,7 @@ def test_zero_shards_at_1024_ranks_cover_every_element_once():
 
 
 def test_shards_cover_finds_a_gap_and_an_overlap():
-    from ddp_lab.dry_run import shards_cover
+    from ddp_lab.dry_run_report import shards_cover
 
     rows = lambda *pieces: [{"shards": [list(p)]} for p in pieces]
     assert shards_cover(rows((0, 3), (3, 5)), [5], 2) is True
