@@ -258,9 +258,11 @@ def _stateless(optimizer) -> bool:
         g["momentum"] == 0 for g in optimizer.param_groups)
 
 
-def assert_finite(model: torch.nn.Module, optimizer, step: int) -> None:
-    """Collective, before a checkpoint: parameters and optimizer state must be finite everywhere."""
-    tensors = [local_tensor(t) for t in model.parameters()] + [
+def assert_finite(optimizer, step: int) -> None:
+    """Collective, before a checkpoint: what the optimizer updates (ZeRO: this rank's shards,
+    which at stage 3 are all it holds of the parameters) and its state must be finite
+    everywhere."""
+    tensors = [local_tensor(t) for g in optimizer.param_groups for t in g["params"]] + [
         local_tensor(v) for s in optimizer.state.values() for v in s.values()
         if isinstance(v, torch.Tensor) and v.is_floating_point()]
     bad = ~torch.stack([torch.isfinite(t.detach()).all() for t in tensors]).all()

@@ -65,7 +65,7 @@ def save(ctx, parts, scheduler, steps_per_epoch: int, step: int) -> None:
     """Everything the next step depends on: rank 0 writes checkpoint.pt, or where each rank holds
     a part (ZeRO, FSDP) each writes its own shards. Every rank waits until it is on disk. `ctx`:
     the run's RunContext (ddp_lab/train.py: cfg, cfg_dict, run_dir, info)."""
-    assert_finite(parts.model, parts.optimizer, step)  # a NaN never reaches a checkpoint
+    assert_finite(parts.optimizer, step)  # a NaN never reaches a checkpoint
     rng = checkpoint.gather_rng_states(ctx.info.device)
     sharded, n = shards_state(ctx.cfg.sync), ctx.info.world_size
     sync_states = [] if sharded else checkpoint.gather_sync_states(parts.sync)

@@ -14,9 +14,10 @@ is a directory, `checkpoint_step<N>/`:
     __<r>_<i>.distcp  DCP's data files: rank r's tensors
 
 What each rank writes is its sync's `state_shards`: FSDP's DTensors (DCP knows their cut), ZeRO's
-flat shards under one key per rank with the offsets map in `layout` (ddp_lab/sync/zero.py), and
-the tensors every rank holds (ZeRO's parameters) once, by whichever rank DCP picks. Nothing is
-gathered; a GPU tensor is copied to the host one at a time.
+flat shards under one key per rank with the offsets map in `layout` (ddp_lab/sync/zero.py; at
+ZeRO-3 the parameters' shards too, zero3.py), and the tensors every rank holds (ZeRO-1/2's
+parameters) once, by whichever rank DCP picks. Nothing is gathered; a GPU tensor is copied to
+the host one at a time.
 
 Writing is atomic: into `checkpoint_step<N>.tmp/`, every rank's files synced; then each rank
 hashes a share of the files, rank 0 gathers the digests, writes state.pt last and renames the
@@ -293,10 +294,12 @@ class Shards:
                               f"{first}). {_UNTOUCHED}") from None
 
 
-def check_model(shards: Shards, model_state: dict) -> None:
-    """The checkpoint's model tensors ("model.<name>") are this model's, by name and shape."""
+def check_model(shards: Shards, model_state: dict, layout: dict) -> None:
+    """The checkpoint's model tensors ("model.<name>", and ZeRO-3's parameters in shards, which
+    its layout lists) are this model's, by name and shape."""
     saved = {k[len("model."):]: tuple(md.size) for k, md in shards.metadata.items()
              if k.startswith("model.")}
+    saved |= {k: tuple(where["shape"]) for k, where in layout.get("params", {}).items()}
     here = {k: tuple(v.shape) for k, v in model_state.items()}
     diff = [f"{k}: {list(saved[k]) if k in saved else 'absent'} there, "
             f"{list(here[k]) if k in here else 'absent'} here"
@@ -311,7 +314,7 @@ def load(resumed: dict, sync, model, optimizer) -> None:
     """Collective: the checkpoint `resumed` (its state.pt) into this rank's model and optimizer,
     through `sync.load_state_shards`, after checking it holds this model."""
     shards = Shards(resumed["path"])
-    check_model(shards, model.state_dict())
+    check_model(shards, model.state_dict(), resumed["layout"])  # (shapes only: nothing is read)
     sync.load_state_shards(model, optimizer, shards, resumed["layout"])
     for group, saved in zip(optimizer.param_groups, resumed["optimizer"]["param_groups"]):
         group.update(saved)  # learning rates and the rest (`params` was not saved)
@@ -319,11 +322,22 @@ def load(resumed: dict, sync, model, optimizer) -> None:
 
 def read_whole(path: str) -> dict:
     """One process, no group: state.pt and every tensor of the checkpoint whole, by key (for
-    tests and inspection; what each key holds is the writing sync's `layout`)."""
+    tests and inspection; what each key holds is the writing sync's `layout`). ZeRO-3's
+    parameters are also given whole, as `model.<name>`, as the other stages save them."""
     state = read_state(path)
     shards = Shards(path)
     tensors = {k: shards.empty(k) for k in shards.metadata}
     with warnings.catch_warnings():  # ("assuming the intent is to load in a single process": it is)
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=SafeReader(path), no_dist=True)
-    return state | {"tensors": tensors}
+    return state | {"tensors": tensors | _whole_params(tensors, state["layout"])}
+
+
+def _whole_params(tensors: dict, layout: dict) -> dict:
+    """ZeRO-3's parameters, `model.<name>`: each unit's shards (`param.<unit>.<rank>`) joined,
+    each parameter cut out of its unit as it lay there (shape and strides), made contiguous."""
+    n = layout.get("world_size", 0)
+    units = {u: torch.cat([tensors[f"param.{u}.{r}"] for r in range(n)])
+             for u in {where["unit"] for where in layout.get("params", {}).values()}}
+    return {f"model.{name}": units[w["unit"]].as_strided(w["shape"], w["stride"], w["offset"])
+            .contiguous() for name, w in layout.get("params", {}).items()}

@@ -169,9 +169,8 @@ def build_run(cfg, run_dir: str, info: DistInfo, heartbeat: Heartbeat,
     checkpoint.check_keep_every(cfg.train.keep_every, cfg.train.checkpoint_every,
                                 length.steps_per_epoch)
     if resumed is not None:
-        with parts.sync.unsharded():  # ZeRO-3: the whole model, to load it
-            resume.restore(parts, scheduler, resumed, info, length.steps_per_epoch,
-                           cfg.train.accum_steps)
+        resume.restore(parts, scheduler, resumed, info, length.steps_per_epoch,
+                       cfg.train.accum_steps)
     if info.is_main:  # (after restore: a checkpoint it refuses leaves the run dir untouched)
         resume.clean_stale(run_dir)
     guard = Guard(cfg.train, info, parts.model, parts.precision.scaler, length.total_steps,
@@ -316,8 +315,7 @@ def after_step(run: Run, progress: Progress, step: int, bar) -> bool:
     # Non-finite verdicts are read where the host syncs anyway: log steps, checkpoints, the end.
     checked = run.guard.end_step(step, sync_point=log_now or checkpoint_now)
     if checkpoint_now:
-        with run.parts.sync.unsharded():  # ZeRO-3: the whole model, gathered, for rank 0 to save
-            resume.save(run.ctx, run.parts, run.scheduler, run.length.steps_per_epoch, step)
+        resume.save(run.ctx, run.parts, run.scheduler, run.length.steps_per_epoch, step)
     return log_now or eval_now or checkpoint_now or checked
 
 

@@ -165,10 +165,15 @@ def test_a_nan_never_reaches_a_checkpoint(one_rank_group):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    guard.assert_finite(model, opt, 1)
+    guard.assert_finite(opt, 1)
     opt.state[model.weight]["momentum_buffer"][0, 0] = float("inf")
     with pytest.raises(guard.NonFiniteError, match="refusing to checkpoint step 2"):
-        guard.assert_finite(model, opt, 2)
+        guard.assert_finite(opt, 2)
+    opt.state[model.weight]["momentum_buffer"][0, 0] = 0.0
+    with torch.no_grad():
+        model.bias[1] = float("nan")  # a parameter the optimizer updates
+    with pytest.raises(guard.NonFiniteError, match="refusing to checkpoint step 3"):
+        guard.assert_finite(opt, 3)
 
 
 def test_param_checksum_sees_one_ulp_and_only_real_changes():

@@ -38,8 +38,7 @@ KINDS = {"ring-zero2": scfg("ring", 2), "ring-zero3": scfg("ring", 3), "ddp-zero
 def _fresh(rank, n, kind, wide=False):
     """A sync, model and AdamW over what this rank updates, before any step: ZeRO-2 (ring),
     torch's ZeRO-1 (ZeroRedundancyOptimizer) or FSDP. `wide`: another model, its first
-    convolution 5 channels wide instead of 4. (ZeRO-3: what reads or writes the whole model does
-    it inside `sync.unsharded()`, as train.py does.)"""
+    convolution 5 channels wide instead of 4."""
     model = make_model(seed=rank)  # (rank 0's parameters are broadcast)
     if wide:
         model[0], model[3] = torch.nn.Conv2d(3, 5, 3), torch.nn.Linear(5 * 6 * 6, 10)
@@ -64,8 +63,7 @@ def _save(run, run_dir):
     n = sync.world_size
     state = {"step": STEP, "config_digest": checkpoint.config_digest(_cfg(n), n, True),
              "optimizer": {"param_groups": sharded_checkpoint.hyperparameters(opt)}}
-    with sync.unsharded():
-        return sharded_checkpoint.save(sync, model, opt, state, str(run_dir), STEP, keep_every=0)
+    return sharded_checkpoint.save(sync, model, opt, state, str(run_dir), STEP, keep_every=0)
 
 
 def _cfg(n: int) -> dict:
@@ -78,8 +76,7 @@ def _resumed(rank, n, kind, run_dir, wide=False):
     every file) and load it."""
     run = _fresh(rank, n, kind, wide)
     resumed = sharded_checkpoint.resume(_cfg(n), str(run_dir), "auto", n, log=print)
-    with run[0].unsharded():
-        sharded_checkpoint.load(resumed, run[0], run[1], run[3])
+    sharded_checkpoint.load(resumed, run[0], run[1], run[3])
     return run
 
 
@@ -118,16 +115,20 @@ def _load_then_write(rank, m, run_dirs, new_dirs):
 
 def whole(path) -> dict:
     """Every tensor of a checkpoint, ZeRO's flat shards joined into their bucket's whole (their
-    keys end in the rank: `optim.<bucket>.<state>.<rank>`), by key."""
+    keys end in the rank: `optim.<bucket>.<state>.<rank>`, ZeRO-3's `param.<unit>.<rank>`), by
+    key."""
     read = sharded_checkpoint.read_whole(path)
     tensors, layout = read["tensors"], read["layout"]
     if "buckets" not in layout:
         return tensors
     joined = {k: v for k, v in tensors.items() if k.startswith("model.")}
-    for b in range(len(layout["buckets"])):
-        for key in layout["state"]:
-            parts = [tensors[f"optim.{b}.{key}.{r}"] for r in range(layout["world_size"])]
-            joined[f"optim.{b}.{key}"] = parts[0] if key == "step" else torch.cat(parts)
+    sharded = [(f"optim.{b}.{key}", key == "step") for b in range(len(layout["buckets"]))
+               for key in layout["state"]]
+    if "params" in layout:
+        sharded += [(f"param.{u}", False) for u in range(len(layout["buckets"]))]
+    for key, scalar in sharded:
+        parts = [tensors[f"{key}.{r}"] for r in range(layout["world_size"])]
+        joined[key] = parts[0] if scalar else torch.cat(parts)
     return joined
 
 
@@ -163,6 +164,54 @@ def test_a_checkpoint_written_at_2_ranks_loads_at_1_and_3_unchanged(written, tmp
             again = whole(_checkpoint(new[kind]))
             assert again.keys() == tensors.keys()
             assert all(torch.equal(again[k], v) for k, v in tensors.items()), (m, kind)
+
+
+def _zero3_save_and_load(rank, n, run_dir):
+    """ZeRO-3 at n ranks: a step, a save, and a load into a fresh run, every all-gather of a unit
+    counted in both syncs. Returns (those gathers, the bytes the loaded run's units then hold,
+    whether its parameters and state are the saved run's, the saved run's parameters whole)."""
+    run, again = _fresh(rank, n, "ring-zero3"), _fresh(rank, n, "ring-zero3")
+    _steps(rank, run, range(1))
+    gathers = []
+    for sync in (run[0], again[0]):
+        sync._all_gather = _counting(sync._all_gather, gathers)
+    _save(run, run_dir)
+    sharded_checkpoint.load(sharded_checkpoint.resume(_cfg(n), str(run_dir), "auto", n, log=print),
+                            again[0], again[1], again[3])
+    counted = len(gathers)  # (what follows gathers on purpose, to compare)
+    held = [flat.untyped_storage().nbytes() for flat in again[0].flats]
+    same = all(torch.equal(a, b) for a, b in zip(_state(run), _state(again)))
+    with run[0].unsharded():
+        params = {name: p.tolist() for name, p in run[1].named_parameters()}  # (no shared fd)
+    run[0].close(), again[0].close()
+    return counted, held, same, params
+
+
+def _counting(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+    return counted
+
+
+@pytest.mark.timeout(120)
+def test_a_zero3_checkpoint_gathers_nothing_and_holds_each_parameter_once(tmp_path):
+    """Saved and loaded at 2 ranks without one unit gathered (the loaded run's units stay freed
+    until its first forward) and bitwise what was saved; the checkpoint holds each unit's shards
+    (`param.<unit>.<rank>`, as long as `comm.shard` cuts them) and no parameter whole, and
+    read_whole puts every parameter back together as the ranks held it."""
+    got = spawn(_zero3_save_and_load, 2, str(tmp_path), timeout=100)
+    assert [(gathers, set(held), same) for gathers, held, same, _ in got] == [(0, {0}, True)] * 2
+    read = sharded_checkpoint.read_whole(_checkpoint(tmp_path))
+    tensors, layout, params = read["tensors"], read["layout"], got[0][3]
+    assert not any(k.startswith("model.") for k in sharded_checkpoint.Shards(
+        _checkpoint(tmp_path)).metadata)  # (the model has no buffers: nothing else is whole)
+    from ddp_lab.sync.zero import shard_ranges
+    for u, bucket in enumerate(layout["buckets"]):
+        assert [tensors[f"param.{u}.{r}"].numel() for r in range(2)] == \
+            [e - s for s, e in shard_ranges(bucket["numel"], 2)]
+    assert sorted(layout["params"]) == sorted(params)
+    assert all(torch.equal(tensors[f"model.{name}"], torch.tensor(p)) for name, p in params.items())
 
 
 def _checkpoint(run_dir) -> str:

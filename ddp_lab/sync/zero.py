@@ -217,37 +217,63 @@ class ShardedSync(BucketedSync):
         `optim.<bucket>.<state>.<rank>`; the layout says where each rank's shard lies in its
         bucket (the offsets map) and which state there is."""
         tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
-        keys = sorted(optimizer.state[self.shards[0]]) if self.shards else []
-        for b, shard in enumerate(self.shards):
-            for key in keys:
-                tensors[f"optim.{b}.{key}.{self.rank}"] = optimizer.state[shard][key]
+        return tensors | self._optimizer_shards(optimizer), self._layout(optimizer)
+
+    def _optimizer_shards(self, optimizer) -> dict:
+        return {f"optim.{b}.{key}.{self.rank}": optimizer.state[shard][key]
+                for b, shard in enumerate(self.shards) for key in self._state_keys(optimizer)}
+
+    def _layout(self, optimizer) -> dict:
         buckets = [{"numel": flat.numel(), "shards": shard_ranges(flat.numel(), self.world_size)}
                    for flat in self.flats]
-        return tensors, {"world_size": self.world_size, "buckets": buckets, "state": keys}
+        return {"world_size": self.world_size, "buckets": buckets,
+                "state": self._state_keys(optimizer)}
+
+    def _state_keys(self, optimizer) -> list[str]:
+        """The optimizer's state per shard (momentum_buffer; exp_avg, exp_avg_sq, step): the
+        same for every shard; none before its first step."""
+        return sorted(optimizer.state[self.shards[0]]) if self.shards else []
 
     def load_state_shards(self, model, optimizer, shards, layout: dict) -> None:
         """The model whole, and this rank's shard of each bucket's state cut out of the saved
         shards it overlaps (at any world size the buckets are the same; only where they are cut
-        moves). A per-shard value (`step`) is the same in every shard: rank 0's is read."""
+        moves)."""
+        whole = {f"model.{k}": v for k, v in model.state_dict().items()}
+        mine = self._read_shards(shards, layout, whole, self._optimizer_keys(layout))
+        self._load_optimizer(optimizer, mine, layout)
+
+    def _optimizer_keys(self, layout: dict) -> dict[tuple[int, str], bool]:
+        """(bucket, `optim.<bucket>.<state>`) -> whether it is a per-shard value (`step`)."""
+        return {(b, f"optim.{b}.{key}"): key in SCALARS
+                for b in range(len(layout["buckets"])) for key in layout["state"]}
+
+    def _read_shards(self, shards, layout: dict, whole: dict, keys: dict) -> dict:
+        """Collective, one read: `whole` (key -> tensor, filled in place), and for each sharded
+        key (`keys`: (bucket, key) -> per-shard value?) this rank's shard of it, cut out of the
+        saved shards `<key>.<rank>` that overlap it (a per-shard value: rank 0's, the same in
+        every shard). Returns (bucket, key) -> tensor."""
         if [b["numel"] for b in layout["buckets"]] != [f.numel() for f in self.flats]:
             raise ConfigError(f"checkpoint {shards.path}: its buckets are not this run's "
                               "(another model or sync.bucket_mb): nothing was loaded")
-        request = {f"model.{k}": v for k, v in model.state_dict().items()}
-        wanted = {}  # (bucket, state) -> [(the key of a saved shard we need, where it lies)]
-        for b, saved in enumerate(layout["buckets"]):
-            mine = shard_ranges(saved["numel"], self.world_size)[self.rank]
-            for key in layout["state"]:
-                wanted[b, key] = [(f"optim.{b}.{key}.{r}", where)
-                                  for r, where in enumerate(saved["shards"])
-                                  if (r == 0 if key in SCALARS else _overlap(where, mine))]
-                request.update({name: shards.empty(name) for name, _ in wanted[b, key]})
-        shards.read(request)  # collective: one read of everything
-        state = {b: {} for b in range(len(self.shards))}
+        wanted, request = {}, dict(whole)
+        for (b, key), scalar in keys.items():
+            mine = shard_ranges(layout["buckets"][b]["numel"], self.world_size)[self.rank]
+            wanted[b, key] = [(f"{key}.{r}", where)
+                              for r, where in enumerate(layout["buckets"][b]["shards"])
+                              if (r == 0 if scalar else _overlap(where, mine))]
+            request.update({name: shards.empty(name) for name, _ in wanted[b, key]})
+        shards.read(request)
+        out = {}
         for (b, key), pieces in wanted.items():
             mine = shard_ranges(layout["buckets"][b]["numel"], self.world_size)[self.rank]
-            dtype = shards.dtype(f"optim.{b}.{key}.0")
-            state[b][key] = (request[pieces[0][0]] if key in SCALARS else
-                             _cut([(request[name], where) for name, where in pieces], mine, dtype))
+            out[b, key] = (request[pieces[0][0]] if keys[b, key] else
+                           _cut([(request[name], where) for name, where in pieces], mine,
+                                shards.dtype(f"{key}.0")))
+        return out
+
+    def _load_optimizer(self, optimizer, mine: dict, layout: dict) -> None:
+        state = {b: {key: mine[b, f"optim.{b}.{key}"] for key in layout["state"]}
+                 for b in range(len(self.shards))}
         optimizer.load_state_dict({"state": state,
                                    "param_groups": optimizer.state_dict()["param_groups"]})
 

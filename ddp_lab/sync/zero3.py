@@ -30,8 +30,9 @@ the step
     reduce-scatters: 1.5x the all-reduce's bytes (1x without resharding). Under no_sync()
     (accumulation) the units are gathered and freed alike; only the gradients are not reduced.
     Outside a step (evaluation under no_grad) a unit is freed after its forward whatever the key;
-    checkpoints and the replica check gather every unit (`unsharded`); the optimizer state is
-    checkpointed in shards, as at ZeRO-1/2.
+    the replica check gathers every unit (`unsharded`). A checkpoint gathers nothing: each rank
+    writes its shard of every unit and of its optimizer state, as at ZeRO-1/2, and a load cuts a
+    rank's new shards out of the saved ones that overlap them (`state_shards`).
 CUDA
     A unit's storage is allocated and freed by the thread that needs it, on its stream (the
     training or autograd stream); the communication stream only writes into it, after an event
@@ -241,6 +242,43 @@ class ZeRO3Sync(ShardedSync):
                     self.shards[u].copy_(comm.shard(flat, self.rank, self.world_size))
             for p, view in zip(self.params, own):
                 p.data = view
+
+    # ---- checkpoints: this rank's shards, of the parameters too; nothing is gathered ----
+
+    def state_shards(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
+        """ZeRO-1/2's optimizer shards, and this rank's shard of each unit's parameters as it
+        holds it, `param.<unit>.<rank>`; the model's other tensors (buffers, frozen parameters)
+        whole. The layout says where each parameter lies in its unit (`params`): what a load
+        checks the model against, and how `sharded_checkpoint.read_whole` makes it whole."""
+        tensors = {f"model.{k}": v for k, v in self._whole_entries(model).items()}
+        tensors |= {f"param.{u}.{self.rank}": shard for u, shard in enumerate(self.shards)}
+        layout = self._layout(optimizer) | {"params": self._param_layout(model)}
+        return tensors | self._optimizer_shards(optimizer), layout
+
+    def load_state_shards(self, model: nn.Module, optimizer, shards, layout: dict) -> None:
+        """This rank's shard of every unit and of its optimizer state, cut out of the saved
+        shards it overlaps (any world size); the units stay freed until the next forward."""
+        whole = {f"model.{k}": v for k, v in self._whole_entries(model).items()}
+        keys = self._optimizer_keys(layout) | {(u, f"param.{u}"): False
+                                               for u in range(len(layout["buckets"]))}
+        mine = self._read_shards(shards, layout, whole, keys)
+        with torch.no_grad():
+            for u, shard in enumerate(self.shards):
+                shard.copy_(mine[u, f"param.{u}"])
+        self._load_optimizer(optimizer, mine, layout)
+
+    def _whole_entries(self, model: nn.Module) -> dict:
+        """The model's state_dict without the units' parameters (whose storage may be freed)."""
+        sharded = {name for name, p in model.named_parameters() if p in self._bucket_of}
+        return {k: v for k, v in model.state_dict().items() if k not in sharded}
+
+    def _param_layout(self, model: nn.Module) -> dict:
+        """name -> its unit, offset in the unit's flat buffer, shape and strides (channels_last
+        lies in the flat buffer as it does in memory)."""
+        names = {p: name for name, p in model.named_parameters()}
+        return {names[p]: {"unit": u, "offset": off, "shape": list(p.shape),
+                           "stride": list(p.stride())}
+                for u, bucket in enumerate(self.buckets) for p, off in param_offsets(bucket)}
 
     def _run(self, fn, *args) -> None:
         """fn(*args) where this sync communicates (the communication thread, or here), waited."""
