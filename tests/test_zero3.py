@@ -8,6 +8,8 @@ convolution, two linear layers); equivalence at every stage is tests/test_zero.p
 
 from __future__ import annotations
 
+import time
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -206,31 +208,56 @@ def test_a_skipped_step_leaves_every_ranks_shards_unchanged():
 # ---- the timeline ------------------------------------------------------------------------------
 
 def _traced(rank, n):
-    """One traced step (train.trace's Tracer, CPU stamps): the sync's spans."""
+    """One traced step (train.trace's Tracer, CPU stamps): the sync's spans (lane, name, bucket,
+    op, start, end), and each unit's forward (bucket, start, end) on the host clock, every unit's
+    forward held 20 ms (after the sync's pre-hook) so that what runs beside it shows."""
     from ddp_lab.trace import Tracer
 
     model = make_model(0)
     sync = make_sync(scfg("ring", 3), n)
     sync.tracer = Tracer(torch.device("cpu"), first=1, last=1)
     sync.prepare(model)
+    forwards = {}
+    for b, unit in enumerate(sync.units):
+        unit.register_forward_pre_hook(partial(_held_forward, forwards, b))
+        unit.register_forward_hook(lambda m, i, o, b=b: forwards[b].append(time.perf_counter()))
     opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.05))
     sync.tracer.begin_step(1)
     x, y = batch(rank, 0, 0)
     nn.functional.cross_entropy(model(x), y).backward()
     sync.finish()
     opt.step()
-    spans = [(lane, name, args["bucket"], args["op"], end >= start)
+    spans = [(lane, name, args["bucket"], args["op"], start, end)
              for lane, name, start, end, args in sync.tracer.spans]
     sync.close()
-    return spans
+    return spans, forwards
+
+
+def _held_forward(forwards, b, module, args):
+    forwards[b] = [time.perf_counter()]
+    time.sleep(0.02)
 
 
 @pytest.mark.timeout(60)
 def test_every_all_gather_is_a_span_on_the_comm_lane():
     """train.trace: each unit's two all-gathers (forward, then backward: units count from the
     last module) and its reduce-scatter are spans on the comm lane, in the order they ran."""
-    spans = spawn(_traced, 2, timeout=50)[0]
-    assert all(lane == "comm" and ok for lane, *_, ok in spans)
-    gathers = [b for _, name, b, op, _ in spans if name == "all_gather" and op == "all_gather"]
-    reduced = [b for _, name, b, op, _ in spans if op == "reduce_scatter"]
+    spans = spawn(_traced, 2, timeout=50)[0][0]
+    assert all(lane == "comm" and end >= start for lane, *_, start, end in spans)
+    gathers = [b for _, name, b, op, *_ in spans if name == "all_gather" and op == "all_gather"]
+    reduced = [b for _, name, b, op, *_ in spans if op == "reduce_scatter"]
     assert gathers == [2, 1, 0] + [0, 1, 2] and reduced == [0, 1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_the_next_units_all_gather_runs_beside_this_units_forward():
+    """Prefetch: the all-gather of each unit but the first starts while the unit before it in
+    forward order still computes (its forward held 20 ms, so this is an order of events 20 ms
+    apart, not a timing); without prefetch it would start only after that forward returned."""
+    for spans, forwards in spawn(_traced, 2, timeout=50):
+        starts = {}  # bucket -> its forward all-gather's start (the first gather of each)
+        for _, name, b, op, start, _ in spans:
+            if op == "all_gather":
+                starts.setdefault(b, start)
+        for b in range(len(forwards) - 1, 0, -1):  # forward order: from the last bucket down
+            assert forwards[b][0] <= starts[b - 1] < forwards[b][1], (b, starts, forwards)
