@@ -12,7 +12,6 @@ import os
 import torch.distributed as dist
 
 from ddp_lab import checkpoint, sharded_checkpoint
-from ddp_lab.errors import ConfigError
 from ddp_lab.guard import assert_finite
 from ddp_lab.optim import float_lrs
 from ddp_lab.sync.config import shards_state
@@ -24,16 +23,7 @@ def find(cfg, cfg_dict: dict, run_dir: str, world_size: int) -> dict | None:
     """The checkpoint train.resume names in `run_dir` (auto: the newest), checked against this
     config before anything is written; None to start afresh."""
     resume = sharded_checkpoint.resume if shards_state(cfg.sync) else checkpoint.resume
-    found = resume(cfg_dict, run_dir, cfg.train.resume, world_size, log.warning)
-    if found is not None and cfg.sync.name == "ddp" and cfg.sync.compress == "powersgd":
-        # torch's PowerSGDState (step count, error buffers, Q) is keyed by DDP's buckets, which a
-        # new DDP cuts afresh and rebuilds after its first step: it cannot come back exactly.
-        raise ConfigError(f"{found['path']}: sync=ddp sync.compress=powersgd cannot resume "
-                          "(torch's PowerSGD state is tied to DDP's bucket layout, which a new "
-                          "DDP rebuilds after its first step); resume with one of our syncs "
-                          "(sync=ring: its compressor state is checkpointed), or start afresh "
-                          "with train.resume=never")
-    return found
+    return resume(cfg_dict, run_dir, cfg.train.resume, world_size, log.warning)
 
 
 def restore(parts, scheduler, resumed: dict, info, steps_per_epoch: int, accum_steps: int) -> None:

@@ -291,26 +291,6 @@ def test_a_topk_fraction_outside_0_1_is_refused():
             check_keys(cfg, Config)
 
 
-@pytest.mark.parametrize("sync, refused", [("ddp", True), ("ring", False)])
-def test_torchs_powersgd_refuses_to_resume_in_one_line(monkeypatch, sync, refused):
-    """sync=ddp's PowerSGD state is torch's, keyed by DDP's buckets, which a new DDP rebuilds:
-    a checkpoint found for it is refused (one line, before anything loads); ours resumes."""
-    from ddp_lab import checkpoint, resume
-    from ddp_lab.errors import ConfigError
-    from helpers import compose_config
-
-    found = {"path": "run/checkpoint.pt", "step": 4}
-    monkeypatch.setattr(checkpoint, "resume", lambda *args: found)
-    cfg = compose_config([f"sync={sync}", "sync.compress=powersgd", "sync.compress_start=2"])
-    if not refused:
-        assert resume.find(cfg, {}, "run", 2) is found
-        return
-    with pytest.raises(ConfigError) as e:
-        resume.find(cfg, {}, "run", 2)
-    assert "sync=ddp sync.compress=powersgd cannot resume" in str(e.value)
-    assert "\n" not in str(e.value)
-
-
 def test_powersgd_draws_its_first_q_without_touching_the_global_generators(monkeypatch):
     """torch.manual_seed would seed every CUDA generator too, alike on every rank (dropout's
     masks would then agree between ranks): the first Q comes from a generator of its own. The

@@ -4,7 +4,9 @@ every step before sync.compress_start, equals it bitwise); (rows + cols) r eleme
 matrix and 2k per top-k bucket, counted, and the bytes the Recorder counts, sync=ddp's through
 torch's hooks the same; a step holding an inf or NaN leaves the error buffers and Q as they were,
 decided without reading anything back to the host (counted at the dispatcher; on CUDA, torch's
-sync debug mode); stop-and-resume with compression on equals the run straight through, bitwise.
+sync debug mode); stop-and-resume with compression on equals the run straight through, bitwise,
+sync=ddp's (torch's PowerSGDState, across DDP's bucket layouts) too; a compressor defined here,
+the identity, plugged into the sync, is sync=ring bitwise with its error buffers exactly zero.
 (The compressors alone: tests/test_compress.py.)"""
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from background import background
+from ddp_lab.compress import Compressor, Ops
+from ddp_lab.compress.feedback import Feedback
 from helpers import check, summary
 from launchers import ranks, spawn
 from reliab_helpers import RESUME, assert_same_training_state, train_log
@@ -366,7 +370,6 @@ def _one_rank(device: torch.device, compress: str):
     """sync/compressed.py's CompressedBuckets on one rank (its collectives the identity) over the
     small CNN's parameters in two buckets; returns it and `step(seed, bad=None)`, one step of
     gradients drawn on `device`, `bad` planted in the second bucket."""
-    from ddp_lab.compress import Ops
     from ddp_lab.sync.compressed import CompressedBuckets
 
     shapes = [p.shape for p in make_model(0).parameters()]
@@ -468,3 +471,151 @@ def test_stop_and_resume_with_compression_equals_the_run_straight_through(compre
         counted, predicted = memory["compress_state_bytes"], memory["predicted"]["compress_state_bytes"]
         assert counted == predicted and (counted[0] > 0) == held, (run_dir, counted, predicted)
     assert_same_training_state(resumed, straight)
+
+
+# ---- a compressor from outside the package: the identity ----
+
+class Identity(Compressor):
+    """Sends the bucket as it is, error feedback on: what a rank sent is all of x = g + e, so what
+    it keeps, x - sent, is exactly zero, and the average is the sync's own all-reduce, divided."""
+
+    def __init__(self):
+        self.feedback = Feedback(True)
+        self.numel_before = self.numel_after = 0  # (CompressedBuckets.stats reads them)
+
+    def reduce(self, key, flat, shapes, ops) -> None:
+        x = self.feedback.add(key, flat)
+        ops.all_reduce(flat)
+        flat.div_(ops.world_size)
+        self.feedback.keep(key, x, x, torch.isfinite(flat).all())
+
+
+def _built(model: nn.Module, n: int, **keys) -> SimpleNamespace:
+    """A model behind a sync of `keys` (scfg's), its wrapper and an SGD with momentum."""
+    sync = make_sync(scfg(**keys), n)
+    wrapped = sync.prepare(model)
+    opt = sync.build_optimizer(model, torch.optim.SGD, dict(lr=0.1, momentum=0.9))
+    return SimpleNamespace(model=model, sync=sync, wrapped=wrapped, opt=opt)
+
+
+def _steps(run: SimpleNamespace, rank: int, steps) -> None:
+    for step in steps:
+        x, y = batch(rank, step, 0)
+        nn.functional.cross_entropy(run.wrapped(x), y).backward()
+        run.sync.finish()
+        run.opt.step()
+        run.opt.zero_grad(set_to_none=True)
+
+
+def _identity_through_the_sync(rank, n):
+    """Four steps of sync=ring, and of sync=ring with the identity compressor where the sync keeps
+    the one it built from sync.compress (sync/compressed.py's CompressedBuckets.compressor: every
+    bucket goes through its reduce, with the sync's collectives). Returns whether the parameters
+    are bitwise the same, and how many error buffers are kept and how many of them are zero."""
+    ring = _built(make_model(0), n, **RING)
+    _steps(ring, rank, range(4))
+    ours = _built(make_model(0), n, **RING, compress="topk")
+    ours.sync.compression.compressor = Identity()
+    _steps(ours, rank, range(4))
+    kept = list(ours.sync.compression.compressor.feedback.kept.values())
+    for run in (ring, ours):
+        run.sync.close()
+    return {"same": _bitwise(list(ours.model.parameters()), list(ring.model.parameters())),
+            "buckets": len(ours.sync.buckets), "kept": len(kept),
+            "kept_zero": sum(not t.any() for t in kept)}
+
+
+@pytest.mark.timeout(60)
+def test_the_identity_compressor_is_sync_ring_bitwise():
+    """Error feedback on, each bucket through a compressor that sends it unchanged: sync=ring's
+    parameters after four steps, bitwise, on both ranks, and every error buffer exactly zero."""
+    for r in spawn(_identity_through_the_sync, 2, timeout=50):
+        assert r["same"]
+        assert r["buckets"] >= 2 and r["kept"] == r["kept_zero"] == r["buckets"], r
+
+
+# ---- sync=ddp's PowerSGD (torch's hook and state), stopped and resumed ----
+
+# Buckets of 1 KiB at most: a new DDP's first step holds every parameter in one bucket, and after
+# it DDP cuts three in the order the gradients became ready, so the resumed run's first step has
+# another layout than the one the state was saved under, and its second another again. PowerSGD
+# from step 2.
+DDP_POWERSGD = dict(name="ddp", bucket_mb=0.001, compress="powersgd", compress_rank=1,
+                    compress_start=2, min_compression_rate=1.0)
+
+
+def _shapes_repeating() -> nn.Module:
+    """The small CNN with three more layers: 10 x 10 matrices on both sides of others in one
+    bucket, whose P and Q torch lays out grouped by shape, not in the bucket's order."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 10),
+                         nn.ReLU(), nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 4), nn.ReLU(),
+                         nn.Linear(4, 10), nn.ReLU(), nn.Linear(10, 10), nn.ReLU(),
+                         nn.Linear(10, 3))
+
+
+def _ddp_powersgd_resumed(rank, n, path):
+    """Four steps, a checkpoint as ddp_lab/resume.py writes one (every rank's sync state gathered
+    to rank 0, checkpoint.atomic_save; checkpoint.load: weights_only, its sha256), and on to six:
+    the run straight through (saving changes nothing in it). A fresh model, optimizer and DDP
+    loaded from the checkpoint, and the last two steps. Returns whether the parameters are
+    bitwise the straight run's, what the checkpoint holds, and the bucket layouts the state was
+    saved under and the resumed run's first step met."""
+    import torch.distributed as dist
+
+    from ddp_lab import checkpoint
+
+    straight = _built(_shapes_repeating(), n, **DDP_POWERSGD)
+    _steps(straight, rank, range(4))
+    states = checkpoint.gather_sync_states(straight.sync)
+    if rank == 0:
+        checkpoint.atomic_save({"step": 4, "model": straight.model.state_dict(),
+                                "optimizer": straight.opt.state_dict(), "sync": states}, path)
+    saved_layout = dict(straight.sync.powersgd.layout)
+    _steps(straight, rank, range(4, 6))
+    dist.barrier()
+    saved = checkpoint.load(path)
+    resumed = _built(_shapes_repeating(), n, **DDP_POWERSGD)
+    resumed.model.load_state_dict(saved["model"])
+    resumed.opt.load_state_dict(saved["optimizer"])
+    resumed.sync.load_state_dict(saved["sync"][rank])
+    _steps(resumed, rank, [4])
+    met_layout = dict(resumed.sync.powersgd.layout)
+    _steps(resumed, rank, [5])
+    for run in (straight, resumed):
+        run.sync.close()
+    mine = saved["sync"][rank]["powersgd"]
+    return {"same": _bitwise(list(resumed.model.parameters()), list(straight.model.parameters())),
+            "iter": mine["iter"], "error": {k: v.tolist() for k, v in mine["error"].items()},
+            "q": sorted(k for k, v in mine["q"].items() if v.numel()),
+            "saved_layout": saved_layout, "met_layout": met_layout}
+
+
+@pytest.mark.timeout(60)
+def test_ddp_powersgd_stop_and_resume_equals_the_run_straight_through(tmp_path):
+    """sync=ddp sync.compress=powersgd stopped at step 4 (two compressed steps in: error buffers,
+    warm-start Q and the seeds' position all in use) and resumed from its checkpoint: the last
+    two steps give the straight run's parameters, bitwise, on every rank, though the resumed
+    DDP's first step lays its buckets out otherwise."""
+    got = spawn(_ddp_powersgd_resumed, 2, str(tmp_path / "checkpoint.pt"), timeout=50)
+    params = dict(_shapes_repeating().named_parameters())
+    for r in got:
+        assert r["same"] and r["iter"] == 4
+        assert r["error"].keys() == params.keys()  # every parameter's error, by name
+        assert r["q"] == sorted(k for k, p in params.items() if p.dim() > 1)  # each matrix's Q
+        assert r["met_layout"] != r["saved_layout"]  # the state had to follow the parameters
+    assert got[0]["error"] != got[1]["error"]  # each rank's own
+
+
+def test_ddp_powersgd_refuses_a_checkpoint_of_another_world_size():
+    """Each rank's error buffer is its own: 2 ranks' state cannot be dealt out to 4."""
+    from ddp_lab.compress.torch_powersgd import TorchPowerSGD
+    from ddp_lab.errors import ConfigError
+
+    def carried(world_size):
+        return TorchPowerSGD(SimpleNamespace(), make_model(0), world_size)
+
+    with pytest.raises(ConfigError) as e:
+        carried(4).load_state_dict({"world_size": 2}, torch.device("cpu"))
+    assert "sync=ddp sync.compress=powersgd" in str(e.value) and "2 ranks" in str(e.value)
+    assert "\n" not in str(e.value)

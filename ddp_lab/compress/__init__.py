@@ -22,6 +22,9 @@ Error feedback (ddp_lab/compress/feedback.py): what compression left out of a ra
 kept and added to its next one, so that over T steps what was applied and what is still kept add
 up to the gradients (`applied_1 + ... + applied_T + kept_T = g_1 + ... + g_T`).
 
+sync=ddp runs torch's own powerSGD_hook instead; its state goes into checkpoints by parameter
+(ddp_lab/compress/torch_powersgd.py).
+
 Adding a compressor: a class with `reduce`, `state_dict`, `load_state_dict`, registered in
 COMPRESSORS beside its code (`@COMPRESSORS.register("name")`).
 """

@@ -135,13 +135,13 @@ class PowerSGD(Compressor):
     def state_dict(self) -> dict:
         return {"feedback": self.feedback.state_dict(),
                 "qs": {str(k): v for k, v in self.qs.items()},
-                "rng": _rng_state(self.rng),
+                "rng": numpy_rng_state(self.rng),
                 "numel": torch.tensor([self.numel_before, self.numel_after])}
 
     def load_state_dict(self, state: dict) -> None:
         self.feedback.load_state_dict(state["feedback"])
         self.qs = {int(k): v.clone() for k, v in state["qs"].items()}
-        _set_rng_state(self.rng, state["rng"])
+        set_numpy_rng_state(self.rng, state["rng"])
         self.numel_before, self.numel_after = (int(v) for v in state["numel"])
 
 
@@ -166,13 +166,13 @@ def _unpack(together: torch.Tensor, pieces: list[torch.Tensor]) -> None:
         off += piece.numel()
 
 
-def _rng_state(rng: np.random.RandomState) -> dict:
+def numpy_rng_state(rng: np.random.RandomState) -> dict:
     """A numpy RandomState as plain tensors and numbers (a weights_only checkpoint loads it)."""
     kind, keys, pos, has_gauss, gauss = rng.get_state()
     return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
             "has_gauss": int(has_gauss), "gauss": float(gauss)}
 
 
-def _set_rng_state(rng: np.random.RandomState, s: dict) -> None:
+def set_numpy_rng_state(rng: np.random.RandomState, s: dict) -> None:
     rng.set_state(("MT19937", s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"],
                    s["gauss"]))

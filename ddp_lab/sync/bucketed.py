@@ -71,7 +71,7 @@ from torch import nn
 from ddp_lab import buckets, comm
 from ddp_lab.dtypes import DTYPES
 from ddp_lab.comm.p2p import Recorder, recording
-from ddp_lab.compress import Ops
+from ddp_lab.compress import COMPRESSORS, Ops
 from ddp_lab.sync.base import GradSync, NonfiniteFlag
 from ddp_lab.sync.comm_thread import CommThread
 from ddp_lab.sync.compressed import CompressedBuckets
@@ -106,7 +106,7 @@ class BucketedSync(GradSync):
         self.overlap = bool(scfg.overlap)
         self.comm_dtype = comm_dtype(wire_dtype(scfg))
         self.compression = (CompressedBuckets(scfg, device)
-                            if scfg.compress in ("powersgd", "topk") else None)
+                            if scfg.compress in COMPRESSORS else None)
         self.device, self.world_size, self.group = device, world_size, group
         self.make_buffers = new_buffers  # the dry run lends every rank the same (dry_run.py)
         self.cuda = device.type == "cuda"

@@ -4,7 +4,9 @@ state of, and updates, whole parameters assigned to it, then broadcasts them), t
 sync=naive|ring|tree sync.zero=1 (ddp_lab/sync/zero.py).
 
 `sync.compress` runs torch's own comm hooks (bf16_compress_hook, fp16_compress_hook,
-powerSGD_hook): the reference ddp_lab/compress is checked against.
+powerSGD_hook): the reference ddp_lab/compress is checked against. PowerSGD's state goes into
+checkpoints by parameter, and follows DDP's buckets wherever they are laid out
+(ddp_lab/compress/torch_powersgd.py).
 
 Bytes and elements, counted where they are handed to the backend (what the backend then sends is
 inside it): every tensor a comm hook all-reduces (torch's `allreduce_hook`, the divide-first
@@ -29,6 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_lab import comm
+from ddp_lab.compress.torch_powersgd import TorchPowerSGD
 from ddp_lab.dtypes import DTYPES
 from ddp_lab.sync.base import GradSync, NonfiniteFlag
 from ddp_lab.sync.config import SYNCS
@@ -253,7 +256,7 @@ class DDPSync(GradSync):
         self.cfg, self.device, self.world_size = scfg, device, world_size
         self.ddp: DistributedDataParallel | None = None
         self.handed = Handed()
-        self.powersgd = None  # torch's PowerSGDState with sync.compress=powersgd
+        self.powersgd: TorchPowerSGD | None = None  # torch's state, with sync.compress=powersgd
         self._last = (0, 0, 0)  # the last step's Handed.take()
         self._nonfinite: list[NonfiniteFlag] = []  # the guard's, once it asks (flagging_hook)
 
@@ -265,7 +268,7 @@ class DDPSync(GradSync):
             gradient_as_bucket_view=self.cfg.gradient_as_bucket_view,
             static_graph=self.cfg.static_graph,
         )
-        hook, state = self._hook()
+        hook, state = self._hook(model)
         if self.tracer is not None:
             hook = timed_hook(hook, self.tracer)
         rank = dist.get_rank() if self.world_size > 1 else 0
@@ -278,23 +281,24 @@ class DDPSync(GradSync):
             self._nonfinite.append(NonfiniteFlag(self.device))
         return self._nonfinite[0].flag
 
-    def _hook(self):
+    def _hook(self, model: nn.Module):
         """(DDP's comm hook, its state), its all-reduces counted by self.handed: torch's own hooks
         for sync.compress (the reference for ours); otherwise divide by the world size, then (a
         16-bit sync.comm_dtype: cast down, see compress_hook) sum."""
         c, counting = self.cfg, self.handed.dist
         default = counting_copy(default_hooks, dist=counting)
         if c.compress == "powersgd":
-            self.powersgd = powerSGD_hook.PowerSGDState(
+            state = powerSGD_hook.PowerSGDState(
                 None, matrix_approximation_rank=c.compress_rank,
                 start_powerSGD_iter=c.compress_start, min_compression_rate=c.min_compression_rate,
                 use_error_feedback=c.error_feedback, warm_start=True, random_seed=0)
+            self.powersgd = TorchPowerSGD(state, model, self.world_size)
             cpu = {"torch": _TorchWithoutCuda()} if self.device.type == "cpu" else {}
             ours = counting_copy(powerSGD_hook, dist=counting, default=default,
                                  **cpu).powerSGD_hook
-            ours = state_kept_when_nonfinite(ours, self.powersgd)
+            ours = self.powersgd.rekeyed(state_kept_when_nonfinite(ours, state))
             gloo = dist.get_backend() == "gloo"
-            return one_bucket_at_a_time(ours) if gloo else ours, self.powersgd
+            return one_bucket_at_a_time(ours) if gloo else ours, state
         if c.compress in ("bf16", "fp16"):
             torchs = getattr(default, f"{c.compress}_compress_hook")
             # under another name: DDP refuses one named bf16_compress_hook where torch was built
@@ -323,6 +327,13 @@ class DDPSync(GradSync):
 
     def compress_state(self):
         return None if self.powersgd is not None else []  # torch's hook keeps it: not counted
+
+    def state_dict(self) -> dict:
+        return {"powersgd": self.powersgd.state_dict()} if self.powersgd is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.powersgd is not None:
+            self.powersgd.load_state_dict(state["powersgd"], self.device)
 
     # ---- checkpoints at sync.zero=1: each rank writes the state of the parameters it updates ----
 
@@ -366,6 +377,6 @@ class DDPSync(GradSync):
             # count too, elements before and after compression over the whole run
             stats["compression"] = {"compress": self.cfg.compress, "elements_per_step": elements}
         if self.powersgd is not None:
-            rate, before, after = self.powersgd.compression_stats()
+            rate, before, after = self.powersgd.state.compression_stats()
             stats["compression"] |= {"numel_before": before, "numel_after": after, "rate": rate}
         return stats
