@@ -29,7 +29,7 @@ from background import background
 from helpers import SMALL, check, final_params, max_abs_diff, summary
 from launchers import ranks, spawn
 from test_sync import batch, make_model
-from test_zero import OPTIMS, STEPS, close_adamw, one_process, packed, scfg, unpacked
+from test_zero import LR, OPTIMS, STEPS, close_adamw, one_process, packed, scfg, unpacked
 from test_zero import train as zero_train
 
 CLIP = 0.05
@@ -53,11 +53,15 @@ CASES = [  # (optimizer, impl, accum, clip)
 
 
 def _fsdp_cases(rank, n):
-    out = {"cases": {}, "ddp": {}}
+    out = {"cases": {}, "ddp": {}, "zero": {}}
     for optim, impl, accum, clip in CASES:
         params, sync = train(rank, n, fsdp_cfg(), optim, impl, accum, clip)
         out["cases"][optim, impl, accum, clip] = {"params": params, "stats": sync.comm_stats(),
                                                   "bytes": sync.bytes_per_step()}
+        for zero in (2, 3) if optim == "sgd" else ():  # ours, the same steps: FSDP's twins
+            params, sync = train(rank, n, scfg("ring", zero), optim, impl, accum, clip)
+            out["zero"][zero, optim, impl, accum, clip] = params
+            sync.close()
     for optim in OPTIMS:
         out["ddp"][optim] = train(rank, n, scfg("ddp", bucket_mb=25), optim, "fused")[0]
     _, kept = train(rank, n, fsdp_cfg(reshard_after_forward=False), "sgd")
@@ -92,6 +96,41 @@ def test_fsdp_trains_like_one_process_and_ddp(fsdp_cases):
 
 def _diffs(a, b):
     return [(x.double() - y.double()).abs().max().item() for x, y in zip(a, b)]
+
+
+# ZeRO-2 and ZeRO-3 on our ring against FSDP, 2 ranks, SGD (foreach), STEPS steps. The gradients
+# are the same bits: our ring's reduce-scatter at N = 2 makes a + b, gloo's under FSDP b + a (one
+# addition commutes), and both sum then divide by 2 (exact). The forward gathers the same values,
+# and foreach SGD steps element by element, so FSDP's rows (Shard(0) of each parameter) and our
+# flat shards (of buckets at zero=2, of units at zero=3) step alike: bitwise, without clipping.
+# Clipping differs: the global norm sums squared norms of shards cut differently (per parameter
+# by rows; per bucket or unit), so the norms, and c = max_norm / norm, can part in their last bits
+# (allowed: delta <= 4u, u = 2^-24; measured: equal in 3 of 4 steps, 1.5u apart in the last).
+# Per step that moves a weight by delta x the update, |lr x momentum buffer| <= lr x max_norm /
+# (1 - momentum) = 0.025: 6e-9; and the weight may round the other way: one ulp, 2^-25 (3e-8)
+# for |w| < 0.5 (asserted). Held to STEPS x both (1.4e-7; measured 3.7e-9). The next gradients
+# move with the weights by lr x that: far below an ulp.
+ZERO_FSDP_TOL = STEPS * (2.0 ** -25
+                         + 4 * 2.0 ** -24 * LR * CLIP / (1 - OPTIMS["sgd"][1]["momentum"]))
+
+
+@pytest.mark.timeout(120)
+def test_zero2_and_zero3_train_like_fsdp(fsdp_cases):
+    """sync=ring sync.zero=2|3 against sync=fsdp (torch's fully_shard) directly, SGD, with and
+    without accumulation (no_sync) and clipping: bitwise without clipping, else within
+    ZERO_FSDP_TOL (the arithmetic above); both ranks gather the same model."""
+    r0, r1 = fsdp_cases
+    assert r0["zero"].keys() == {(z, *c) for z in (2, 3) for c in CASES if c[0] == "sgd"}
+    for (zero, *case), params in r0["zero"].items():
+        fsdp = r0["cases"][tuple(case)]["params"]
+        assert all(torch.equal(a, b) for a, b in zip(params, r1["zero"][zero, *case]))
+        assert max(p.abs().max().item() for p in fsdp) < 0.5  # (the ulp above)
+        if case[3]:  # clipping
+            assert max(_diffs(params, fsdp)) <= ZERO_FSDP_TOL, (zero, case, max(_diffs(params,
+                                                                                      fsdp)))
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(params, fsdp)), (zero, case,
+                                                                          max(_diffs(params, fsdp)))
 
 
 @pytest.mark.timeout(120)

@@ -4,7 +4,8 @@ integer-valued data, which every summation order adds exactly), our flat ring (o
 within rounding; where one level is left, G=1 or one node, the same schedule and bits) and the
 formulas (ddp_lab/perf/collectives.py: what each node sends to the others). Then training:
 sync=hring on 2 nodes of 2 against the shared references (DDP on 2 ranks; one process on the
-whole batch), held to the ring's tolerance.
+whole batch), held to the ring's tolerance. (Its sync's contract, as the other syncs': buckets,
+overlap on and off, no_sync and bf16/fp16 on the wire at 2x2: tests/test_sync.py.)
 
 Each world size runs all its layouts in one process group: starting groups is the slow part.
 """

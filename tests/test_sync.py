@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launchers import spawn
-from test_comm import expected_bytes_sent
+from test_comm import expected_bytes_sent, split_sizes
 
 TOL = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 2e-3}  # relative to the largest averaged grad
 
@@ -82,15 +82,72 @@ def expected_step_bytes(sync, rank, n) -> int:
     total = 0
     for b in sync.buckets:
         elem = b.buffer.element_size()
-        total += expected_bytes_sent(sync.algo, rank, n, b.buffer.numel(), elem)
+        if sync.algo == "hring":
+            total += sum(hring_bytes_sent(rank, n, b.buffer.numel(), elem))
+        else:
+            total += expected_bytes_sent(sync.algo, rank, n, b.buffer.numel(), elem)
     return total
 
 
-def _bucketed_cases(rank, n):
+def hring_bytes_sent(rank, n, numel, elem) -> tuple[int, int]:
+    """(inside the node, across nodes): what rank r = m*G + l sends in hring's all-reduce
+    (comm/hring.py) on M = N/G nodes of G. In the node a ring reduce-scatter and all-gather of
+    the whole tensor (every chunk of G but l, then every one but l+1: comm/ring.py), across the
+    nodes the ring all-reduce of piece l (chunk l of G) among the M ranks with local rank l."""
+    from ddp_lab.dist import nodes
+
+    g = nodes().size
+    if g in (1, n):  # one level: the flat ring
+        return expected_bytes_sent("ring", rank, n, numel, elem), 0
+    m, l = divmod(rank, g)
+    sizes = split_sizes(numel, g)
+    inside = elem * (2 * numel - sizes[l] - sizes[(l + 1) % g])
+    return inside, expected_bytes_sent("ring", m, n // g, sizes[l], elem)
+
+
+# hring on 2 nodes of 2 (test_hring_sync_...), per element. With a = sum_i g_i / N the exact
+# average: every element of a bucket goes through two additions, one per level (two ranks' sum in
+# the node, two nodes' sum across). fp32 sums, then divides by N = 4 (exact); bf16/fp16 divide
+# first (exact) and round each g_i / N into the wire dtype (one rounding more). With u the wire
+# dtype's unit roundoff (2^-24 fp32, 2^-8 bf16, 2^-11 fp16), to first order
+#     |ours - a| <= (2 + c) u * sum_i |g_i| / N + (2 + c) eta,   c = 0 at fp32, 1 below,
+# eta the absolute error of a rounding below the dtype's normal range (fp16: half its smallest
+# subnormal, 2^-25; bf16 and fp32 share fp32's range: 2^-150). The reference (gloo's fp32 sum of
+# N, then / N) is itself within (N - 1) u32 * sum_i |g_i| / N of a. One percent more covers the
+# second-order (u^2) terms. A lost or doubled node's share is O(|g|): far outside.
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+SUBNORMAL_HALF_STEP = {"fp32": 2.0 ** -150, "bf16": 2.0 ** -150, "fp16": 2.0 ** -25}
+
+
+def hring_bound(abs_avg: torch.Tensor, comm_dtype: str, n: int) -> torch.Tensor:
+    """The bound above, per element, from sum_i |g_i| / N."""
+    roundings = 2 + (comm_dtype != "fp32")
+    u, eta = UNIT_ROUNDOFF[comm_dtype], SUBNORMAL_HALF_STEP[comm_dtype]
+    return 1.01 * ((roundings * u + (n - 1) * UNIT_ROUNDOFF["fp32"]) * abs_avg + roundings * eta)
+
+
+def reference_abs(rank, n, step, accum):
+    """sum_i |g_i| / N, every rank's own gradients (no sync) in fp32."""
+    model = make_model(0)
+    for micro in range(accum):
+        x, y = batch(rank, step, micro)
+        (nn.functional.cross_entropy(model(x), y) / accum).backward()
+    out = []
+    for p in model.parameters():
+        g = p.grad.abs()
+        dist.all_reduce(g)
+        out.append(g / n)
+    return out
+
+
+WIRE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _bucketed_cases(rank, n, algos=("naive", "ring", "tree")):
     from ddp_lab.sync.bucketed import BucketedSync
 
     report = {}
-    for algo in ("naive", "ring", "tree"):
+    for algo in algos:
         for overlap in (True, False):
             for comm_dtype in ("fp32", "bf16", "fp16"):
                 model = make_model(seed=rank)  # different on every rank until prepare()
@@ -112,6 +169,9 @@ def _bucketed_cases(rank, n):
                               for p, r in zip(model.parameters(), ref))
                     key = (algo, overlap, comm_dtype, step)
                     assert err <= TOL[comm_dtype] * scale, f"{key}: |grad - ref| {err} (scale {scale})"
+                    assert all(b.buffer.dtype == WIRE[comm_dtype] for b in sync.buckets), key
+                    if algo == "hring":
+                        _check_hring_step(model, sync, ref, rank, n, step, accum, comm_dtype, key)
                     stats = sync.comm_stats()
                     # Counted bytes: exactly one step's all-reduces, accumulation or not.
                     assert sync.bytes_per_step() == expected_step_bytes(sync, rank, n), (key, stats)
@@ -135,6 +195,36 @@ def test_bucketed_sync_averages_like_dist_all_reduce(world_size):
     the dist.all_reduce average; bytes counted = one step's documented bytes; overlap launches
     buckets during backward."""
     spawn(_bucketed_cases, world_size, timeout=110)
+
+
+def _check_hring_step(model, sync, ref, rank, n, step, accum, comm_dtype, key):
+    """Every element within hring_bound of the dist.all_reduce average; below fp32 some element
+    not equal to it (the sums really travelled in the low dtype); what crossed to the other node
+    is exactly the across-node level's ring all-reduces."""
+    abs_avg = reference_abs(rank, n, step, accum)
+    for i, (p, r, a) in enumerate(zip(model.parameters(), ref, abs_avg)):
+        excess = ((p.grad - r).abs() - hring_bound(a, comm_dtype, n)).max().item()
+        assert excess <= 0, f"{key}: parameter {i} past the bound by {excess}"
+    if comm_dtype != "fp32":
+        assert any(not torch.equal(p.grad, r) for p, r in zip(model.parameters(), ref)), key
+    across = sum(hring_bytes_sent(rank, n, b.buffer.numel(), b.buffer.element_size())[1]
+                 for b in sync.buckets)
+    assert sync.comm_stats()["cross_node_bytes_per_step"] == across > 0, key
+
+
+def _hring_cases(rank, n):
+    from ddp_lab.dist import set_nodes
+
+    set_nodes(2)  # 2 nodes of 2 ranks: both of hring's levels run
+    return _bucketed_cases(rank, n, ("hring",))
+
+
+@pytest.mark.timeout(60)
+def test_hring_sync_averages_on_two_nodes_of_two_like_dist_all_reduce():
+    """sync=hring's contract, as the other syncs': buckets, overlap on/off, no_sync (accumulation)
+    and fp32/bf16/fp16 on the wire, on 4 ranks as 2 nodes of 2; every element within
+    hring_bound's stated arithmetic; bytes counted, inside and across nodes, as documented."""
+    spawn(_hring_cases, 4, timeout=50)
 
 
 def _unused_parameter(rank, n):
@@ -279,7 +369,7 @@ def test_sync_configs_compose():
 
     from ddp_lab.config import validate
 
-    for name in ("naive", "ring", "tree"):
+    for name in ("naive", "ring", "tree", "hring"):
         cfg = compose_config([f"sync={name}", "sync.overlap=false", "sync.comm_dtype=bf16"])
         validate(cfg)
         assert cfg.sync.name == name and cfg.sync.overlap is False and cfg.sync.bucket_mb == 25

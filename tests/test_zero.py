@@ -131,10 +131,10 @@ def _storage_bytes(tensors) -> int:
 # ---- equivalence --------------------------------------------------------------------------------
 
 # (algo, zero, optimizer, impl, accum, clip, overlap, reshard_after_forward)
+# Accumulation and clipping, every ring/naive x stage x optimizer: at 2, 3 and 4 ranks (alone at
+# 4, where the small CNN's 4 steps cost ~0.1-0.2 s a case: the group's start is the larger part)
 CORE = [(a, z, o, "foreach", 2, CLIP, True, True) for a in ("ring", "naive") for z in (2, 3)
-        for o in ("sgd", "adamw")]  # accumulation and clipping: at 2 and 3 ranks
-CORE4 = [c for c in CORE if c[:3] in {("ring", 2, "adamw"), ("ring", 3, "sgd"),
-                                      ("naive", 2, "sgd"), ("naive", 3, "adamw")}]  # and at 4
+        for o in ("sgd", "adamw")]
 CASES = CORE + [  # at 2 and 3 ranks
     *[(a, z, o, "foreach", 1, 0.0, True, True) for a in ("naive", "ring", "tree") for z in (1, 2)
       for o in ("sgd", "adamw")],
@@ -152,7 +152,7 @@ CASES = CORE + [  # at 2 and 3 ranks
 
 def _equivalence(rank, n):
     out, zero0 = {"cases": {}, "refs": {}}, {}
-    for algo, zero, optim, impl, accum, clip, overlap, reshard in CORE4 if n > 3 else CASES:
+    for algo, zero, optim, impl, accum, clip, overlap, reshard in CORE if n > 3 else CASES:
         params, sync, opt, model = train(rank, n, scfg(algo, zero, overlap, reshard=reshard),
                                          optim, impl, accum, clip)
         like = (algo, optim, impl, accum, clip, overlap)  # cases alike but for the stage share one
@@ -196,13 +196,14 @@ def close_adamw(a, b, lr, steps) -> bool:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_zero_trains_like_zero0_ddp_and_one_process(world_size):
     """zero=1, 2 and 3 on naive, ring and tree, SGD and AdamW, with and without overlap (and
-    resharding), accumulation and clipping (at 4 ranks: CORE4): equal to zero=0 (bitwise where the
-    order is the same and the optimizer's arithmetic does not depend on an element's offset;
-    else SGD within 1e-6, AdamW as the module says where the order differs), to DDP and to one
-    process; every rank the same."""
+    resharding), accumulation and clipping (at 4 ranks: CORE alone): equal to zero=0 (bitwise
+    where the order is the same and the optimizer's arithmetic does not depend on an element's
+    offset; else SGD within 1e-6, AdamW as the module says where the order differs), to DDP and
+    to one process; every rank the same."""
     results = [unpacked(r) for r in spawn(_equivalence, world_size, timeout=230)]
     n = world_size
-    singles = {c[2:6]: one_process(n, *c[2:6]) for c in CASES}
+    assert {c[:3] for c in results[0]["cases"]} >= {c[:3] for c in CORE}  # every combination
+    singles = {c[2:6]: one_process(n, *c[2:6]) for c in (CORE if n > 3 else CASES)}
     for key, r in results[0]["cases"].items():
         algo, zero, optim, impl, accum, clip, overlap, reshard = key
         for other in results[1:]:
