@@ -8,6 +8,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ddp_lab.bench import compression
 from ddp_lab.bench.compression import ARMS, arm_rows, check
@@ -164,3 +165,83 @@ def test_tabulate_only_reads_what_a_cut_study_left_and_launches_nothing(tmp_path
     linked = next(r for r in rows if r["gbps"] == 10.0)
     # 12.5 MB over 10 Gb/s is 10 ms on top of the 100 ms step without a link
     assert linked["runs"] == 1 and linked["predicted_step_ms"] == pytest.approx(110.0)
+
+
+def test_the_compute_term_predicts_an_arm_from_fp32_and_its_compressor_alone():
+    """predicted_from_fp32 = fp32's step without a link + the compressor alone + its link bytes
+    over the link; the break-even speed from the same (no run of the arm is an input)."""
+    cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32", "powersgd-r2"])
+    runs = [_run("fp32", 0.0, 100.0), _run("powersgd-r2", 0.0, 130.0, nbytes=10),
+            _run("fp32", 1.0, 108.0), _run("powersgd-r2", 1.0, 126.0, nbytes=10)]
+    alone = {(2, "fp32"): 0.0, (2, "powersgd-r2"): 25.0}
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, alone)}
+    assert rows[0.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(125.0)
+    assert rows[0.0, "powersgd-r2"]["from_fp32_err_pct"] == pytest.approx(100 * (125 / 130 - 1))
+    # 10 B over 1 Gb/s is 8e-5 ms; fp32's 1000 B 8e-3 ms
+    assert rows[1.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(125.0 + 8e-5)
+    assert rows[1.0, "fp32"]["predicted_from_fp32_ms"] == pytest.approx(100.0 + 8e-3)
+    # 990 B saved x 8 over 25 ms more: 316.8 kb/s
+    assert rows[0.0, "powersgd-r2"]["predicted_breakeven_gbps"] == pytest.approx(
+        990 * 8 / 25e-3 / 1e9)
+    assert "predicted_from_fp32_ms" not in arm_rows(runs, cfg)[0]  # no calibration: no term
+
+
+class _Clock:
+    """A clock that moves only when told (the compressor's 'compute' and 'collectives')."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_the_compressor_alone_is_timed_without_its_collectives(monkeypatch):
+    """Each step runs every bucket, in order, on gradients of its size, with the study's world
+    size; 3 ms of compute a bucket counted, 5 ms in an all-reduce and 7 in an all-gather not."""
+    import ddp_lab.perf.compression as term
+
+    clock, seen = _Clock(), []
+    monkeypatch.setattr(term, "time", clock)
+
+    class Fake:
+        def reduce(self, key, flat, shapes, ops):
+            seen.append((key, flat.numel(), len(shapes), ops.world_size))
+            clock.now += 3e-3
+            ops.all_reduce(flat)
+            whole = flat.new_empty(flat.numel() * ops.world_size)
+            ops.all_gather(flat, whole)
+            assert torch.equal(whole, flat.repeat(ops.world_size))
+
+    def slow(fn, seconds):
+        def run(*tensors):
+            clock.now += seconds
+            return fn(*tensors)
+        return run
+
+    monkeypatch.setattr(term, "_sum_of_one", slow(term._sum_of_one, 5e-3))
+    monkeypatch.setattr(term, "_pieces_of_all", slow(term._pieces_of_all, 7e-3))
+    shapes = [[torch.Size([4, 3]), torch.Size([4])], [torch.Size([10])]]
+    ms = term.compress_alone_ms(Fake(), shapes, world_size=4, steps=3, warmup=1)
+    assert ms == pytest.approx(2 * 3.0, rel=1e-9)
+    assert seen == [(0, 16, 2, 4), (1, 10, 1, 4)] * 4
+
+
+def _buckets_of_the_sync(rank, n):
+    from test_sync import make_model
+    from test_zero import make_sync, scfg
+
+    from ddp_lab.perf.compression import bucket_shapes
+
+    model = make_model(0)
+    sync = make_sync(scfg("ring", 0, bucket_mb=0.0005), n)
+    sync.prepare(model)
+    got = [[p.shape for p in b.params] for b in sync.buckets]
+    sync.close()
+    return got == bucket_shapes(make_model(0), 0.0005) and len(got) > 1
+
+
+def test_the_buckets_timed_alone_are_the_syncs():
+    from launchers import spawn
+
+    assert spawn(_buckets_of_the_sync, 1, timeout=30) == [True]

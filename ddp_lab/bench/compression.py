@@ -30,6 +30,11 @@ summary.json's `link_bytes_per_step`) over the link (ddp_lab/perf/compression.py
 the change against fp32 measured and predicted, and without a link the speed below which the arm
 starts to pay (`breakeven_gbps`). The predictions use only the runs without a link: every
 linked point is one the model was not fitted on.
+The compression-compute term (ddp_lab/perf/compression.py): before any run, each compressor is
+timed alone in this process on the run's bucket shapes, with the runs' threads
+(`compress_alone.json`), and every arm, linked or not, is predicted from fp32's step without a
+link plus that time plus its link bytes (`predicted_from_fp32_ms`, `from_fp32_err_pct`), and its
+break-even link speed from the same (`predicted_breakeven_gbps`): no run of the arm is an input.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.common import entry, plot_lines, report, write_info
 from ddp_lab.config import ConfigError
-from ddp_lab.perf.compression import breakeven_gbps, predict_step_ms
+from ddp_lab.perf.compression import (breakeven_gbps, bucket_shapes, compress_alone_ms,
+                                      predict_step_ms, wire_ms)
 
 # Every arm's sync.* overrides.
 ARMS = {
@@ -192,8 +198,45 @@ def _spread(xs: list[float]) -> tuple[float, float, float]:
     return (statistics.median(xs), min(xs), max(xs)) if xs else (math.nan,) * 3
 
 
-def arm_rows(runs: list[dict], cfg) -> list[dict]:
-    """The table: one row per nproc, link speed and arm that has runs (see the module)."""
+def calibrate(cfg, run_dir: str, threads: int) -> dict:
+    """(nproc, arm) -> the arm's compressor timed alone (ms a step; 0 for arms without one), on
+    `threads` threads, kept in compress_alone.json; a study tabulated again reads that file (the
+    time is the machine's that ran it). sync=ddp's arms run torch's hooks, not timed: NaN."""
+    path = os.path.join(run_dir, "compress_alone.json")
+    if cfg.tabulate_only:
+        if not os.path.exists(path):  # (a study from before the term)
+            return {}
+        with open(path) as f:
+            return {(r["nproc"], r["arm"]): r["compress_alone_ms"] for r in json.load(f)}
+    from ddp_lab.cli import compose
+    from ddp_lab.compress import COMPRESSORS
+    from ddp_lab.models import build_model
+
+    before, rows = torch.get_num_threads(), []
+    torch.set_num_threads(threads)
+    try:
+        for arm in cfg.arms:
+            c = compose([*recipe(), *ARMS[arm], *PASSED])
+            timed = c.sync.compress in COMPRESSORS and c.sync.name != "ddp"
+            if timed:
+                model = build_model(c.model.name, c.data.num_classes, 0.0, c.model.stem,
+                                    c.model.fc_width)
+                shapes = bucket_shapes(model, c.sync.bucket_mb)
+            for n in cfg.nproc:
+                ms = (compress_alone_ms(COMPRESSORS[c.sync.compress].from_config(c.sync),
+                                        shapes, n) if timed else
+                      0.0 if c.sync.compress not in COMPRESSORS else math.nan)
+                rows.append({"nproc": n, "arm": arm, "compress_alone_ms": ms})
+    finally:
+        torch.set_num_threads(before)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return {(r["nproc"], r["arm"]): r["compress_alone_ms"] for r in rows}
+
+
+def arm_rows(runs: list[dict], cfg, alone_ms: dict | None = None) -> list[dict]:
+    """The table: one row per nproc, link speed and arm that has runs (see the module);
+    `alone_ms`: calibrate's, for the predictions from fp32."""
     ok = [r for r in runs if r["status"] == "ok"]
     pick = lambda **k: [r for r in ok if all(r[a] == v for a, v in k.items())]
     rows = []
@@ -208,7 +251,24 @@ def arm_rows(runs: list[dict], cfg) -> list[dict]:
                      (row["nproc"], row["gbps"], "fp32")), None)
         if base is not None:
             _against(row, base)
+        fp32 = next((b for b in rows if (b["nproc"], b["gbps"], b["arm"]) ==
+                     (row["nproc"], 0.0, "fp32")), None)
+        if fp32 is not None and (row["nproc"], row["arm"]) in (alone_ms or {}):
+            _from_fp32(row, fp32, alone_ms[row["nproc"], row["arm"]])
     return rows
+
+
+def _from_fp32(row: dict, fp32: dict, alone_ms: float) -> None:
+    """The compression-compute term's prediction of the row from fp32's step without a link
+    (`fp32`'s row) and the arm's compressor timed alone (ddp_lab/perf/compression.py)."""
+    base = fp32["step_ms"] + alone_ms
+    row["compress_alone_ms"] = alone_ms
+    row["predicted_from_fp32_ms"] = base + wire_ms(row["link_bytes_per_step"], row["gbps"])
+    row["from_fp32_err_pct"] = 100 * (row["predicted_from_fp32_ms"] / row["step_ms"] - 1)
+    if not row["gbps"]:
+        row["predicted_breakeven_gbps"] = breakeven_gbps(base, row["link_bytes_per_step"],
+                                                         fp32["step_ms"],
+                                                         fp32["link_bytes_per_step"])
 
 
 def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict], cfg) -> dict:
@@ -273,7 +333,8 @@ COLUMNS = ["nproc", "gbps", "arm", "acc_mean", "acc_sd", "bytes_per_step", "link
            "elements_per_step",
            "x_fewer_elements", "compress_ms", "step_ms", "step_ms_min", "step_ms_max",
            "predicted_step_ms", "step_change_ms", "predicted_change_ms", "change_err_pct",
-           "breakeven_gbps", "reached_target", "time_to_target_s"]
+           "breakeven_gbps", "reached_target", "time_to_target_s", "compress_alone_ms",
+           "predicted_from_fp32_ms", "from_fp32_err_pct", "predicted_breakeven_gbps"]
 
 
 def run(cfg, run_dir: str) -> list[dict]:
@@ -282,6 +343,7 @@ def run(cfg, run_dir: str) -> list[dict]:
     check(cfg)
     points = plan(cfg, run_dir)
     env = point_env(cfg, "cpu", max(cfg.nproc))
+    alone_ms = calibrate(cfg, run_dir, int(env["OMP_NUM_THREADS"]))
     runs = []
     for i, (point, what) in enumerate(points):
         if cfg.tabulate_only:
@@ -294,13 +356,16 @@ def run(cfg, run_dir: str) -> list[dict]:
     report(runs, run_dir, "runs", ["phase", "nproc", "arm", "seed", "gbps", "repeat", "status",
                                    "val_accuracy", "step_ms", "bytes_per_step",
                                    "elements_per_step", "steps_to_target"], title="every run")
-    rows = arm_rows(runs, cfg)
+    rows = arm_rows(runs, cfg, alone_ms)
     report(rows, run_dir, "arms", COLUMNS, title="per arm (against fp32 at its nproc and link)",
            notes=[f"accuracy: mean and sd over {len(cfg.seeds)} seeds after {cfg.steps} steps; "
                   "step_ms: median (min, max) over the runs",
                   "predicted = the arm's step without a link + its busiest link's bytes over it "
                   "(ddp_lab/perf/compression.py); fitted on no linked point",
-                  "breakeven_gbps: below this link speed the arm's step is shorter than fp32's"])
+                  "breakeven_gbps: below this link speed the arm's step is shorter than fp32's",
+                  "predicted_from_fp32 = fp32's step without a link + the arm's compressor timed "
+                  "alone (compress_alone_ms) + its link bytes over the link; no run of the arm "
+                  "is an input"])
     if cfg.plot and rows:
         plot(rows, run_dir)
     write_info(run_dir, "compression", cfg, torch.device("cpu"),

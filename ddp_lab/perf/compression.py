@@ -21,12 +21,30 @@ Compression pays where step(arm, link) < step(fp32, link):
     gbps  <  (bytes(fp32) - bytes(arm)) x 8 / (step(arm) - step(fp32))   = `breakeven_gbps`
 
 (no link; infinite when compressing costs no time at all, 0 when it saves no bytes).
+
+The compression-compute term. The model above needs each arm run without a link first. With the
+compressor's own time measured alone, one process, on random gradients of the run's bucket shapes
+(`compress_alone_ms`: its collectives the identity, their time left out, as summary.json's
+compress_ms leaves out the real ones), an arm is predicted from fp32's step alone:
+
+    step(arm, link) = step(fp32, no link) + compress_alone(arm) + link_bytes(arm) x 8 / gbps
+
+It assumes the compressor's compute adds to the step whole (it runs on the communication thread,
+mostly after backward's last bucket), that fewer bytes over the host's own loopback save nothing
+worth counting, and that the compressor runs alone as fast as beside training (the same threads).
+Its break-even speed is then `breakeven_gbps(step(fp32) + compress_alone(arm), ...)`.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 
+import torch
+
+from ddp_lab import buckets
+from ddp_lab.compress import Ops
 from ddp_lab.dist import seconds_per_byte
 
 
@@ -50,3 +68,49 @@ def breakeven_gbps(step_ms: float, bytes_sent: float, base_step_ms: float,
         return 0.0
     extra_s = (step_ms - base_step_ms) / 1e3
     return math.inf if extra_s <= 0 else saved * 8 / extra_s / 1e9
+
+
+def bucket_shapes(model: torch.nn.Module, bucket_mb: float) -> list[list[torch.Size]]:
+    """The gradients' shapes in each of our syncs' buckets, as ddp_lab/sync/bucketed.py cuts them
+    (backward order: the parameters reversed; one dtype)."""
+    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    groups = buckets.plan([p.numel() * p.element_size() for p in params], bucket_mb, "ours")
+    return [[params[i].shape for i in group] for group in groups]
+
+
+def compress_alone_ms(compressor, shapes: list[list[torch.Size]], world_size: int,
+                      steps: int = 5, warmup: int = 2, seed: int = 0) -> float:
+    """`compressor`'s host time per step over buckets of `shapes` (bucket_shapes), measured here
+    on random gradients: its collectives the identity (an all-gather: this rank's piece from each
+    of `world_size` ranks), their own time left out. The median over `steps` after `warmup`."""
+    spent = [0.0]
+
+    def timed(fn):
+        def run(*tensors):
+            start = time.perf_counter()
+            fn(*tensors)
+            spent[0] += time.perf_counter() - start
+        return run
+
+    ops = Ops(world_size, timed(_sum_of_one), timed(_pieces_of_all))
+    gen = torch.Generator().manual_seed(seed)
+    numels = [sum(math.prod(s) for s in bucket) for bucket in shapes]
+    per_step = []
+    for _ in range(warmup + steps):
+        spent[0], total = 0.0, 0.0
+        for b, (bucket, numel) in enumerate(zip(shapes, numels)):
+            grad = torch.randn(numel, generator=gen)
+            start = time.perf_counter()
+            compressor.reduce(b, grad, bucket, ops)
+            total += time.perf_counter() - start
+        per_step.append((total - spent[0]) * 1e3)
+    return statistics.median(per_step[warmup:])
+
+
+def _sum_of_one(t: torch.Tensor) -> None:
+    """compress_alone_ms's all-reduce: every rank's sum, where every rank holds what this one does."""
+
+
+def _pieces_of_all(mine: torch.Tensor, whole: torch.Tensor) -> None:
+    """compress_alone_ms's all-gather: every rank's piece, each this one's."""
+    whole.copy_(mine.repeat(whole.numel() // max(mine.numel(), 1)))
