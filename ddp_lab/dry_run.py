@@ -1,6 +1,6 @@
 """The dry run: one training step's communication at any world size, counted on one CPU.
 
-    python -m ddp_lab.dry_run world_size=1024 sync=ring [model=...] [sync.zero=1|2]
+    python -m ddp_lab.dry_run world_size=1024 sync=ring [model=...] [sync.zero=1|2|3]
     python -m ddp_lab.dry_run world_size=1024 sync=tree dry_run.ranks=[0,1,1023]
     python -m ddp_lab.dry_run world_size=1024 sync=hring dist.node_size=8
 
@@ -9,18 +9,25 @@ torch's `fake` process-group backend, where every send and receive completes at 
 nothing. One process takes each rank in turn (or the ranks of `dry_run.ranks`): it becomes that
 rank of a fake group of `world_size`, builds the sync the config names (`build_sync`: its real
 bucket plan, ZeRO's shards, its subgroups), and runs one step's syncs: `finish()` reduces every
-bucket as a training step does, and with ZeRO `gather_params()` all-gathers the parameters as the
-optimizer's hook does after its step. Our point-to-point layer (ddp_lab/comm/p2p.py) counts each
-message it posts, so bytes and messages are counted, not computed.
+bucket as a training step does, and at ZeRO-1/2 `gather_params()` all-gathers the parameters as
+the optimizer's hook does after its step. ZeRO-3 gathers each unit in its forward and backward
+hooks instead, so there the rank runs a forward and backward of one sample first (a model of its
+own: prepare frees the units' storage). Our point-to-point layer (ddp_lab/comm/p2p.py) counts
+each message it posts, so bytes and messages are counted, not computed.
 
 Tensor values mean nothing here: a fake receive leaves its buffer as it was, so every sum is
 garbage. Only counts are checked, each beside the performance model's figure:
-    bytes sent     comm.cost() per bucket and collective: summed over the ranks it is exact; the
-                   busiest rank's differs by chunk rounding only (the ring: under 2 elements a
-                   collective, ddp_lab/comm/ring.py); perf.step.bytes_per_step is the
-                   simulation's figure (the whole gradient as one message)
+    bytes sent     comm.cost() per bucket and collective: summed over the ranks it is exact; each
+                   rank's (dry_run_report.rank_sends: comm.cost()'s terms for that rank) differs
+                   by chunk rounding only (the ring: under 2 elements a collective,
+                   ddp_lab/comm/ring.py; hring: that on each of its two levels);
+                   perf.step.bytes_per_step is the simulation's figure (the whole gradient as
+                   one message)
+    messages       each rank's sends, against its schedule's (rank_sends: a ring's, a slice each)
     scratch        the receive buffers p2p keeps, against comm.scratch_numel. Each rank runs on
-                   threads of its own, so the buffers it counts are its own.
+                   threads of its own, so the buffers it counts are its own. On meta tensors p2p
+                   keeps none: not counted (null, and dry_run.json's scratch_not_counted says
+                   "meta").
     memory         perf.memory.predict_held: what the rank would hold on its device (training
                    state, buckets, scratch; activations come on top)
 
@@ -31,11 +38,10 @@ The counts stay the training code's: a test checks them rank by rank against a r
 shortcuts (`dry_run(..., fast=False)`).
 
 Refused before any rank runs, in one line (ConfigError): a layout that cannot exist (ranks that
-are not there; a world size that is not a whole number of nodes of dist.node_size; ZeRO-3, whose
-gathers run inside forward and backward; an emulated link, which would delay nothing), a rank
-predicted to hold more than `dry_run.device_gb`, naive's N-1 whole-bucket receive buffers on
-rank 0 over it, or a rank this host cannot hold (on the CPU the dry run allocates one rank's
-buffers at a time, for real).
+are not there; a world size that is not a whole number of nodes of dist.node_size; an emulated
+link, which would delay nothing), a rank predicted to hold more than `dry_run.device_gb`,
+naive's N-1 whole-bucket receive buffers on rank 0 over it, or a rank this host cannot hold (on
+the CPU the dry run allocates one rank's buffers at a time, for real).
 
 Output: a table on stdout; dry_run.json (the counts, the model's figures, a row per rank) and
 dry_run_info.json (the resolved config, versions, host) in the run dir,
@@ -45,6 +51,7 @@ outputs/dry_run/<overrides>/.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -54,6 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 # Imported for its side effect too: it registers the "fake" backend with torch.distributed.
@@ -70,9 +78,12 @@ from ddp_lab.keys import check_keys, key, text
 from ddp_lab.models import build_model
 from ddp_lab.optim import state_tensors
 from ddp_lab.perf.memory import GB, predict_held
-from ddp_lab.perf.step import ZERO_OPS
+from ddp_lab.perf.step import ZERO_OPS, gathers
 from ddp_lab.sync import build_sync
 from ddp_lab.sync.bucketed import new_buffers
+from ddp_lab.sync.config import wire_dtype
+from ddp_lab.sync.zero import shard_ranges
+from ddp_lab.sync.zero3 import unit_numels
 
 PROGRESS_S = 5.0  # seconds between progress lines on stderr
 
@@ -126,10 +137,6 @@ def check_layout(cfg) -> list[int]:
         raise ConfigError(f"sync.compress={cfg.sync.compress}: the dry run checks bytes against "
                           "comm.cost(), which prices uncompressed collectives; a training run "
                           "counts compressed ones (summary.json's comm.compression)")
-    if cfg.sync.zero == 3:
-        raise ConfigError("sync.zero=3: the dry run steps a sync's finish() and gather_params(); "
-                          "ZeRO-3 gathers inside forward and backward, which it does not run "
-                          "yet: use sync.zero=0|1|2")
     if cfg.dist.link.latency_us or cfg.dist.link.gbps:
         raise ConfigError("dist.link delays messages, and the dry run moves none (the fake "
                           "backend): its counts are the same without it; leave dist.link off")
@@ -146,7 +153,7 @@ class Plan:
     """What the model says before the run: the buckets, each collective, each rank's memory."""
     bucket_numels: list[int]  # elements per bucket, in bucket order
     comm_elem: int  # bytes of an element as the gradients travel
-    calls: list[tuple[str, int, int]]  # one step's collectives, in order: (op, numel, elem)
+    calls: list[tuple[str, int, int]]  # one step's collectives: (op, numel, elem) each
     held: list[dict]  # predict_held of every rank of the world
 
     def memory(self, rank: int) -> int:
@@ -156,17 +163,20 @@ class Plan:
 def make_plan(cfg) -> Plan:
     s = cfg.sync
     with torch.device("meta"):  # the parameter counts only: nothing allocated
-        numels = [p.numel() for p in _model(cfg).parameters()]
-    comm_elem = element_size(s.comm_dtype)
-    sizes = numels[::-1]  # backward's order, as the sync cuts them
+        model = _model(cfg)
+    numels, units = [p.numel() for p in model.parameters()], unit_numels(model)
+    comm_elem = element_size(wire_dtype(s))  # (sync.compress=bf16|fp16 too)
+    sizes = numels[::-1]  # backward's order, as the sync cuts them (ZeRO-3: a bucket a unit)
     groups = buckets.plan([k * comm_elem for k in sizes], s.bucket_mb, "ours")
-    bucket_numels = [sum(sizes[i] for i in g) for g in groups]
+    bucket_numels = units[::-1] if s.zero == 3 else [sum(sizes[i] for i in g) for g in groups]
     reduce, gather = ZERO_OPS[s.zero]
     calls = [(reduce, k, comm_elem) for k in bucket_numels]
-    calls += [(gather, k, 4) for k in bucket_numels] if gather else []  # fp32 parameters
+    # fp32 parameters, gathered after the step (ZeRO-1/2), or in forward and in backward (3)
+    calls += [(gather, k, 4) for k in bucket_numels] * gathers(s.zero, s.reshard_after_forward)
     states = state_tensors(cfg.optim)
     held = [predict_held(numels, cfg.world_size, r, s.name, s.zero, states, s.bucket_mb,
-                         comm_elem, s.overlap, comm.scratch_numel)
+                         comm_elem, s.overlap, comm.scratch_numel, units=units,
+                         reshard_after_forward=s.reshard_after_forward)
             for r in range(cfg.world_size)]
     return Plan(bucket_numels, comm_elem, calls, held)
 
@@ -189,7 +199,7 @@ def check_memory(cfg, plan: Plan) -> None:
     if need > limit * GB:
         raise ConfigError(f"rank {worst} would hold {need / GB:.2f} GB > dry_run.device_gb="
                           f"{limit:g}: {parts} GB (activations on top); shard it with "
-                          f"sync.zero=1|2, or use a smaller model")
+                          f"sync.zero=1|2|3, or use a smaller model")
     from ddp_lab.bench.vector_add import host_available_bytes
 
     if device_of(cfg) == "cpu" and need > host_available_bytes():
@@ -215,13 +225,13 @@ def dry_run(cfg, progress: bool = False, fast: bool = True) -> dict:
         plan = make_plan(cfg)  # (hring's scratch depends on its nodes)
     check_memory(cfg, plan)
     device = torch.device(device_of(cfg))
-    with device:
-        model = _model(cfg)
+    model_for_rank = _models(cfg, device)
     transport, buffers = shortcuts() if fast else (p2p.torch_transport, new_buffers)
     start, rows, said = time.perf_counter(), [], time.perf_counter()
     with p2p.transport(transport):
         for i, rank in enumerate(ranks):
-            rows.append({**_in_own_thread(lambda: _one_rank(cfg, model, rank, device, buffers)),
+            rows.append({**_in_own_thread(lambda: _one_rank(cfg, model_for_rank(), rank, device,
+                                                            buffers)),
                          "predicted_scratch_bytes": plan.held[rank]["comm_scratch_bytes"],
                          "predicted_memory_bytes": plan.memory(rank)})
             if progress and time.perf_counter() - said > PROGRESS_S:
@@ -249,6 +259,16 @@ def shortcuts():
     return p2p.counting_transport, buffers
 
 
+def _models(cfg, device: torch.device):
+    """Each rank's model, from a call: one for every rank, which a sync's prepare leaves whole
+    (ZeRO-1/2 make its parameters views of flat buffers), but a copy a rank at ZeRO-3, whose
+    prepare frees the parameters' storage (a copy: building one, its initialization, took 80 ms
+    a rank on one core; values mean nothing here)."""
+    with device:
+        model = _model(cfg)
+    return (lambda: copy.deepcopy(model)) if cfg.sync.zero == 3 else (lambda: model)
+
+
 def _model(cfg):
     """The config's model; the dry run loads no data, so its classes are data.num_classes."""
     m = cfg.model
@@ -268,9 +288,9 @@ def fake_group(rank: int, world_size: int):
 
 
 def _one_rank(cfg, model, rank: int, device: torch.device, buffers) -> dict:
-    """Rank `rank`'s step: its sync built (its bucket buffers from `buffers`) and prepared, every
-    bucket reduced, ZeRO's gather. Receive scratch is kept, so counted, on the CPU only
-    (ddp_lab/comm/p2p.py's `scratch`)."""
+    """Rank `rank`'s step: its sync built (its bucket buffers from `buffers`) and prepared,
+    ZeRO-3's forward and backward, every bucket reduced, ZeRO-1/2's gather. Receive scratch is
+    kept, so counted, on the CPU only (ddp_lab/comm/p2p.py's `scratch`)."""
     g = node_size(cfg)
     info = DistInfo(rank, rank % g, cfg.world_size, g, "fake", device)
     with fake_group(rank, cfg.world_size):
@@ -279,22 +299,42 @@ def _one_rank(cfg, model, rank: int, device: torch.device, buffers) -> dict:
         sync.make_buffers = buffers
         try:
             sync.prepare(model)
+            if sync.forward_communicates:  # ZeRO-3: its hooks gather each unit, twice
+                _forward_backward(model, cfg.model.image_size, device)
             sync.finish()  # (with overlap, on the sync's own communication thread)
             with comm.recording() as gathered:
-                if cfg.sync.zero:
+                if cfg.sync.zero in (1, 2):
                     sync.gather_params()  # the optimizer's post-step hook, on this thread
             stats = sync.comm_stats()
             row = {"rank": rank, "bytes_sent": stats["bytes_per_step"] + gathered.bytes_sent,
                    "messages": stats["messages_per_step"] + gathered.messages,
                    "scratch_bytes": None if device.type == "meta" else
                    sum(t.numel() * t.element_size() for t in comm.kept_scratch())}
-            if cfg.sync.zero:  # each bucket's shard: [start, stop) of its flat parameters
-                row["shards"] = [[s.storage_offset() - f.storage_offset(),
-                                  s.storage_offset() - f.storage_offset() + s.numel()]
-                                 for s, f in zip(sync.shards, sync.flats)]
+            if cfg.sync.zero:
+                row["shards"] = _shard_ranges(sync, rank, cfg.world_size)
             return row
         finally:
             sync.close()
+
+
+def _forward_backward(model, image_size: int, device: torch.device) -> None:
+    """One sample through the model and back: the hooks' communication (values mean nothing)."""
+    x = torch.zeros(1, 3, image_size, image_size, device=device)
+    F.cross_entropy(model(x), torch.zeros(1, dtype=torch.long, device=device)).backward()
+
+
+def _shard_ranges(sync, rank: int, world_size: int) -> list[list[int]]:
+    """Each bucket's shard on this rank: [start, stop) of its flat parameters. ZeRO-1/2's shard
+    is a view, whose offset says where it lies; ZeRO-3's is a copy (its flat is freed outside a
+    step), cut where comm.shard cuts, for as long as the copy is."""
+    out = []
+    for s, f in zip(sync.shards, sync.flats):
+        if sync.stage < 3:
+            start = s.storage_offset() - f.storage_offset()
+        else:
+            start = shard_ranges(f.numel(), world_size)[rank][0]
+        out.append([start, start + s.numel()])
+    return out
 
 
 def _in_own_thread(fn):
