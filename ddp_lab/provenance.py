@@ -75,3 +75,13 @@ def write(path: str, config: dict, device=None, **extra) -> str:
         json.dump({"provenance": collect(device), "config": config, **extra}, f, indent=2,
                   default=str)
     return path
+
+
+def earlier_segments(path: str) -> list[dict]:
+    """The records in a resumed run's `path` (run_info.json) before this segment writes its own:
+    each earlier segment's, oldest first (none if it is not there)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        previous = json.load(f)
+    return previous.pop("earlier", []) + [previous]

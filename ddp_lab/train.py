@@ -224,13 +224,17 @@ def _make_tracer(tcfg, device: torch.device, length: Length, warmup: int) -> Tra
 
 
 def record_run(run: Run) -> None:
-    """Rank 0: run_info.json (how this run was made) and the same in TensorBoard."""
+    """Rank 0: run_info.json (how this run was made; a resumed run keeps the records of its
+    earlier segments under `earlier`, oldest first) and the same in TensorBoard."""
     ctx, length, data = run.ctx, run.length, run.data
     facts = {"world_size": ctx.info.world_size, "backend": ctx.info.backend,
              "global_batch": length.global_batch, "total_steps": length.total_steps,
-             "train_samples": data.train_samples, "val_samples": data.val_samples}
-    path = provenance.write(os.path.join(ctx.run_dir, "run_info.json"), ctx.cfg_dict,
-                            ctx.info.device, run=facts)
+             "train_samples": data.train_samples, "val_samples": data.val_samples,
+             "start_step": length.start_step}
+    path = os.path.join(ctx.run_dir, "run_info.json")
+    earlier = provenance.earlier_segments(path) if length.start_step else []
+    path = provenance.write(path, ctx.cfg_dict, ctx.info.device, run=facts,
+                            **({"earlier": earlier} if earlier else {}))
     with open(path) as f:
         run.rec.logger.text("run_info", f.read())
     run.rec.logger.text("config", OmegaConf.to_yaml(ctx.cfg_dict))

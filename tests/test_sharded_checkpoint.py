@@ -12,8 +12,10 @@ weight a step, held to 1e-6 as every SGD comparison of ranks against one process
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,6 +216,22 @@ def test_a_zero3_checkpoint_gathers_nothing_and_holds_each_parameter_once(tmp_pa
     assert all(torch.equal(tensors[f"model.{name}"], torch.tensor(p)) for name, p in params.items())
 
 
+def _load_an_older_zero3_layout(rank, n):
+    sync, model, _, opt = _fresh(rank, n, "ring-zero3")
+    try:  # the layout of a ZeRO-3 checkpoint from before its parameters were sharded: no params
+        sync.load_state_shards(model, opt, SimpleNamespace(path="old"), {"buckets": [],
+                                                                          "state": []})
+    except ConfigError as e:
+        return str(e)
+    finally:
+        sync.close()
+
+
+def test_a_zero3_checkpoint_of_the_older_format_is_refused_in_one_line():
+    said = spawn(_load_an_older_zero3_layout, 1, timeout=30)[0]
+    assert said.startswith("checkpoint old holds ZeRO-3's parameters whole") and "\n" not in said
+
+
 def _checkpoint(run_dir) -> str:
     return os.path.join(run_dir, f"checkpoint_step{STEP}")
 
@@ -342,6 +360,9 @@ def resharded(directory):
 def test_a_2_rank_zero2_run_continues_at_another_world_size(n, resharded):
     ref, runs = resharded
     assert f"resumed from {runs[n]}/checkpoint_step2 at step 2" in train_log(runs[n])
+    info = json.loads((runs[n] / "run_info.json").read_text())  # both segments' records kept
+    assert [e["run"]["world_size"] for e in info["earlier"]] == [2]
+    assert (info["run"]["world_size"], info["run"]["start_step"]) == (n, 2)
     got, want = training_state(runs[n]), training_state(ref)
     assert got["step"] == want["step"] == 4
     model = [k for k in want["tensors"] if k.startswith("model.")]

@@ -129,8 +129,9 @@ class GradSync:
 
     def unsharded(self):
         """Collective, outside a step: a context in which every parameter of the model is whole
-        on every rank (what reads or writes the whole model: checkpoints, the replica check).
-        ZeRO-3 gathers them, and on exit keeps its shard of what they then hold."""
+        on every rank (what reads the whole model: the replica check; ZeRO-3's checkpoints
+        write shards instead). ZeRO-3 gathers them, and on exit keeps its shard of what they
+        then hold."""
         return contextlib.nullcontext()
 
     def kept_grads(self) -> list[torch.Tensor]:

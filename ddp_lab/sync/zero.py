@@ -212,18 +212,27 @@ class ShardedSync(BucketedSync):
     # ---- checkpoints: each rank writes its shards; they load at any world size ----
 
     def state_shards(self, model, optimizer) -> tuple[dict, dict]:
-        """The model's tensors (every rank holds them whole: DCP writes each once), and this
-        rank's shard of each bucket's optimizer state under a key of its own,
-        `optim.<bucket>.<state>.<rank>`; the layout says where each rank's shard lies in its
-        bucket (the offsets map) and which state there is."""
-        tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
-        return tensors | self._optimizer_shards(optimizer), self._layout(optimizer)
+        """The model's tensors every rank holds whole (DCP writes each once), this rank's shard
+        of each bucket's optimizer state under a key of its own, `optim.<bucket>.<state>.<rank>`
+        (and at ZeRO-3 of its parameters, `_param_shards`); the layout says where each rank's
+        shard lies in its bucket (the offsets map) and which state there is."""
+        tensors = {f"model.{k}": v for k, v in self._whole_entries(model).items()}
+        tensors |= {f"{key}.{self.rank}": t for (_, key), t in self._param_shards().items()}
+        return tensors | self._optimizer_shards(optimizer), self._layout(model, optimizer)
+
+    def _whole_entries(self, model) -> dict:
+        """The model's tensors as every rank holds them: all of them (ZeRO-3: not its units')."""
+        return model.state_dict()
+
+    def _param_shards(self) -> dict[tuple[int, str], torch.Tensor]:
+        """(bucket, key) -> this rank's shard of parameters it holds in shards: none (ZeRO-3's)."""
+        return {}
 
     def _optimizer_shards(self, optimizer) -> dict:
         return {f"optim.{b}.{key}.{self.rank}": optimizer.state[shard][key]
                 for b, shard in enumerate(self.shards) for key in self._state_keys(optimizer)}
 
-    def _layout(self, optimizer) -> dict:
+    def _layout(self, model, optimizer) -> dict:
         buckets = [{"numel": flat.numel(), "shards": shard_ranges(flat.numel(), self.world_size)}
                    for flat in self.flats]
         return {"world_size": self.world_size, "buckets": buckets,
@@ -235,11 +244,20 @@ class ShardedSync(BucketedSync):
         return sorted(optimizer.state[self.shards[0]]) if self.shards else []
 
     def load_state_shards(self, model, optimizer, shards, layout: dict) -> None:
-        """The model whole, and this rank's shard of each bucket's state cut out of the saved
-        shards it overlaps (at any world size the buckets are the same; only where they are cut
-        moves)."""
-        whole = {f"model.{k}": v for k, v in model.state_dict().items()}
-        mine = self._read_shards(shards, layout, whole, self._optimizer_keys(layout))
+        """The tensors every rank holds whole, and this rank's shard of each bucket's state (and
+        ZeRO-3's parameters) cut out of the saved shards it overlaps (at any world size the
+        buckets are the same; only where they are cut moves)."""
+        params = self._param_shards()
+        if params and "params" not in layout:
+            raise ConfigError(f"checkpoint {shards.path} holds ZeRO-3's parameters whole, as "
+                              "ZeRO-3 checkpoints did before they were sharded: resume it with "
+                              "the code that wrote it, or start afresh (train.resume=never)")
+        whole = {f"model.{k}": v for k, v in self._whole_entries(model).items()}
+        keys = self._optimizer_keys(layout) | {where: False for where in params}
+        mine = self._read_shards(shards, layout, whole, keys)
+        with torch.no_grad():
+            for where, shard in params.items():
+                shard.copy_(mine[where])
         self._load_optimizer(optimizer, mine, layout)
 
     def _optimizer_keys(self, layout: dict) -> dict[tuple[int, str], bool]:
@@ -253,23 +271,22 @@ class ShardedSync(BucketedSync):
         saved shards `<key>.<rank>` that overlap it (a per-shard value: rank 0's, the same in
         every shard). Returns (bucket, key) -> tensor."""
         if [b["numel"] for b in layout["buckets"]] != [f.numel() for f in self.flats]:
-            raise ConfigError(f"checkpoint {shards.path}: its buckets are not this run's "
-                              "(another model or sync.bucket_mb): nothing was loaded")
-        wanted, request = {}, dict(whole)
+            cut = "units (another model)" if self.stage == 3 else \
+                "buckets (another model or sync.bucket_mb)"
+            raise ConfigError(f"checkpoint {shards.path}: its {cut} are not this run's: nothing "
+                              "was loaded")
+        wanted, request = {}, dict(whole)  # (bucket, key) -> (this rank's range, the pieces)
         for (b, key), scalar in keys.items():
             mine = shard_ranges(layout["buckets"][b]["numel"], self.world_size)[self.rank]
-            wanted[b, key] = [(f"{key}.{r}", where)
-                              for r, where in enumerate(layout["buckets"][b]["shards"])
-                              if (r == 0 if scalar else _overlap(where, mine))]
-            request.update({name: shards.empty(name) for name, _ in wanted[b, key]})
+            wanted[b, key] = mine, [(f"{key}.{r}", where)
+                                    for r, where in enumerate(layout["buckets"][b]["shards"])
+                                    if (r == 0 if scalar else _overlap(where, mine))]
+            request.update({name: shards.empty(name) for name, _ in wanted[b, key][1]})
         shards.read(request)
-        out = {}
-        for (b, key), pieces in wanted.items():
-            mine = shard_ranges(layout["buckets"][b]["numel"], self.world_size)[self.rank]
-            out[b, key] = (request[pieces[0][0]] if keys[b, key] else
-                           _cut([(request[name], where) for name, where in pieces], mine,
-                                shards.dtype(f"{key}.0")))
-        return out
+        return {(b, key): request[pieces[0][0]] if keys[b, key] else
+                _cut([(request[name], where) for name, where in pieces], mine,
+                     shards.dtype(f"{key}.0"))
+                for (b, key), (mine, pieces) in wanted.items()}
 
     def _load_optimizer(self, optimizer, mine: dict, layout: dict) -> None:
         state = {b: {key: mine[b, f"optim.{b}.{key}"] for key in layout["state"]}

@@ -244,31 +244,18 @@ class ZeRO3Sync(ShardedSync):
                 p.data = view
 
     # ---- checkpoints: this rank's shards, of the parameters too; nothing is gathered ----
+    # (ShardedSync.state_shards and load_state_shards, with the parameters' shards as
+    # `param.<unit>.<rank>` and where each parameter lies in its unit in the layout: what a load
+    # checks the model against, and how `sharded_checkpoint.read_whole` makes it whole)
 
-    def state_shards(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
-        """ZeRO-1/2's optimizer shards, and this rank's shard of each unit's parameters as it
-        holds it, `param.<unit>.<rank>`; the model's other tensors (buffers, frozen parameters)
-        whole. The layout says where each parameter lies in its unit (`params`): what a load
-        checks the model against, and how `sharded_checkpoint.read_whole` makes it whole."""
-        tensors = {f"model.{k}": v for k, v in self._whole_entries(model).items()}
-        tensors |= {f"param.{u}.{self.rank}": shard for u, shard in enumerate(self.shards)}
-        layout = self._layout(optimizer) | {"params": self._param_layout(model)}
-        return tensors | self._optimizer_shards(optimizer), layout
+    def _param_shards(self) -> dict[tuple[int, str], torch.Tensor]:
+        return {(u, f"param.{u}"): shard for u, shard in enumerate(self.shards)}
 
-    def load_state_shards(self, model: nn.Module, optimizer, shards, layout: dict) -> None:
-        """This rank's shard of every unit and of its optimizer state, cut out of the saved
-        shards it overlaps (any world size); the units stay freed until the next forward."""
-        whole = {f"model.{k}": v for k, v in self._whole_entries(model).items()}
-        keys = self._optimizer_keys(layout) | {(u, f"param.{u}"): False
-                                               for u in range(len(layout["buckets"]))}
-        mine = self._read_shards(shards, layout, whole, keys)
-        with torch.no_grad():
-            for u, shard in enumerate(self.shards):
-                shard.copy_(mine[u, f"param.{u}"])
-        self._load_optimizer(optimizer, mine, layout)
+    def _layout(self, model: nn.Module, optimizer) -> dict:
+        return super()._layout(model, optimizer) | {"params": self._param_layout(model)}
 
     def _whole_entries(self, model: nn.Module) -> dict:
-        """The model's state_dict without the units' parameters (whose storage may be freed)."""
+        """The model's state_dict without the units' parameters (whose storage is freed)."""
         sharded = {name for name, p in model.named_parameters() if p in self._bucket_of}
         return {k: v for k, v in model.state_dict().items() if k not in sharded}
 
