@@ -79,6 +79,9 @@ class Nodes:
     s_per_byte: float = 0.0
     shared: bool = False
     clock_fd: int = -1  # shared link: a file the node's ranks share (set_nodes; p2p.py reads it)
+    # dist.timeout_s: a message the link would hold longer fails at once, as a wait that long
+    # would; every rank holds before it posts, so no pending receive would ever time out
+    max_hold_s: float = math.inf
 
     def node(self, rank: int) -> int:
         return rank // self.size
@@ -110,12 +113,15 @@ def node_layout(node_size: int, link, world_size: int, local_world_size: int) ->
     latency_us, gbps = (link.latency_us, link.gbps) if link is not None else (0.0, 0.0)
     for name, value in (("latency_us", latency_us), ("gbps", gbps)):
         if not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"dist.link.{name}={value:g} must be >= 0 (0: off)")
+            raise ConfigError(f"dist.link.{name}={value:g} must be finite and >= 0 (0: off)")
     layout = Nodes(size, world_size // size, latency_us * 1e-6, seconds_per_byte(gbps),
                    bool(link.shared) if link is not None else False)
+    if layout.emulated and world_size == 1:
+        raise ConfigError("dist.link emulates a link between nodes, and one rank is one node: "
+                          "launch at least 2 ranks, or leave dist.link off")
     if layout.emulated and layout.count == 1:
         raise ConfigError(f"dist.link emulates a link between nodes, but the {world_size} "
-                          f"rank(s) are one node of dist.node_size={size}: set dist.node_size "
+                          f"ranks are one node of dist.node_size={size}: set dist.node_size "
                           f"to a divisor of {world_size} below it")
     if layout.emulated and layout.shared and local_world_size % size:
         raise ConfigError(f"dist.link.shared=true needs each emulated node on one machine (its "
@@ -128,10 +134,12 @@ _nodes: Nodes | None = None
 _node_groups: dict[int, tuple] = {}  # node size -> (this rank's node, its ranks across nodes)
 
 
-def set_nodes(node_size: int = 0, link=None) -> Nodes:
+def set_nodes(node_size: int = 0, link=None, max_hold_s: float = math.inf) -> Nodes:
     """Collective, once the group exists (init_group calls it): ranks on nodes of `node_size`
-    (0: torchrun's) with `link` (a LinkConfig; None: no emulated link) between them."""
-    layout = node_layout(node_size, link, dist.get_world_size(), env_ranks()[3])
+    (0: torchrun's) with `link` (a LinkConfig; None: no emulated link) between them, holding no
+    message longer than `max_hold_s` (dist.timeout_s)."""
+    layout = dataclasses.replace(node_layout(node_size, link, dist.get_world_size(),
+                                             env_ranks()[3]), max_hold_s=max_hold_s)
     if layout.emulated and layout.shared:
         layout = dataclasses.replace(layout, clock_fd=_node_clock(layout))
     _forget_nodes()
@@ -287,7 +295,7 @@ def init_group(backend: str = "auto", timeout_s: float = 300.0, node_size: int =
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
                             **kwargs)
     try:
-        set_nodes(node_size, link)
+        set_nodes(node_size, link, max_hold_s=timeout_s)
     except BaseException:  # a layout refused: the group goes too, its threads joined
         destroy_group()
         raise

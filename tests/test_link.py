@@ -92,6 +92,21 @@ def test_a_shared_link_queues_messages_of_the_whole_node(tmp_path):
     assert a.arrival([1000], now) == b.arrival([1000], now) == now + 1000 * beta + alpha
 
 
+def test_a_link_too_slow_for_the_timeout_fails_at_once_naming_the_keys(monkeypatch):
+    """Every rank holds its messages before it posts them, so nothing pending would ever time out:
+    a hold past dist.timeout_s (max_hold_s) is refused in one line, before any sleep."""
+    from ddp_lab.comm import p2p
+    from ddp_lab.dist import Nodes
+
+    monkeypatch.setattr(p2p.time, "sleep", lambda s: pytest.fail(f"slept {s} s"))
+    link = p2p.Link(Nodes(1, 2, 0.0, 8 / (1e-4 * 1e9), max_hold_s=20.0))  # 0.0001 Gb/s
+    with pytest.raises(ConfigError) as e:
+        link.hold([1 << 20])  # 1 MiB: 84 s at 100 kb/s
+    assert str(e.value) == ("the emulated link (dist.link.gbps=0.0001, dist.link.latency_us=0) "
+                            "would hold 1,048,576 bytes 84 s, past dist.timeout_s=20: raise "
+                            "dist.link.gbps (or dist.timeout_s)")
+
+
 def test_the_emulated_link_is_a_network_the_formulas_price():
     """perf.params.emulated_network: the flat ring pays every step's latency and 2(N-1)/N S
     through each node's link, hring two latencies and 2(M-1)/M S there (plus its levels inside
@@ -118,12 +133,15 @@ def test_the_busiest_link_carries_a_nodes_ranks_together_when_shared():
 
 @pytest.mark.parametrize("overrides, world, message", [
     (["dist.node_size=4"], 6, "dist.node_size=4 does not divide the world size 6"),
-    (["dist.link.gbps=1"], 2, "dist.link emulates a link between nodes, but the 2 rank(s) are "
+    (["dist.link.gbps=1"], 2, "dist.link emulates a link between nodes, but the 2 ranks are "
                               "one node of dist.node_size=2"),
+    (["sync=ring", "dist.link.gbps=1"], 1, "one rank is one node: launch at least 2 ranks"),
+    (["sync=ring", "dist.node_size=1", "dist.link.gbps=inf"], 2,
+     "dist.link.gbps=inf must be finite and >= 0 (0: off)"),
     (["dist.node_size=1", "dist.link.latency_us=50"], 2,
      "sync=ddp's all-reduce is torch's own and would not wait for it"),
     (["sync=ring", "dist.node_size=1", "dist.link.gbps=-1"], 2,
-     "dist.link.gbps=-1 must be >= 0 (0: off)"),
+     "dist.link.gbps=-1 must be finite and >= 0 (0: off)"),
 ])
 def test_a_layout_that_cannot_exist_is_refused_in_one_line(overrides, world, message,
                                                          monkeypatch):

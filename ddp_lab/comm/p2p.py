@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_lab.dist import Nodes, nodes
+from ddp_lab.errors import ConfigError
 
 
 class CommError(RuntimeError):
@@ -254,6 +255,7 @@ class Link:
 
     def __init__(self, layout: Nodes):
         self.alpha, self.beta = layout.latency_s, layout.s_per_byte
+        self.max_hold_s = layout.max_hold_s
         self.fd = layout.clock_fd if layout.shared else -1
         self.free = 0.0  # a link of this rank's own: when it is next free (time.monotonic)
         self.held = 0  # messages held, each once (what the tests count)
@@ -261,8 +263,15 @@ class Link:
 
     def hold(self, sizes: list[int]) -> None:
         """Wait until messages of `sizes` bytes, sent now one after the other, would have
-        arrived."""
-        time.sleep(max(0.0, self.arrival(sizes, time.monotonic()) - time.monotonic()))
+        arrived; refused at once where that is past `max_hold_s` (dist.timeout_s)."""
+        wait = self.arrival(sizes, time.monotonic()) - time.monotonic()
+        if wait > self.max_hold_s:
+            gbps = 8 / self.beta / 1e9 if self.beta else 0.0
+            raise ConfigError(
+                f"the emulated link (dist.link.gbps={gbps:g}, dist.link.latency_us="
+                f"{self.alpha * 1e6:g}) would hold {sum(sizes):,} bytes {wait:,.0f} s, past "
+                f"dist.timeout_s={self.max_hold_s:g}: raise dist.link.gbps (or dist.timeout_s)")
+        time.sleep(max(0.0, wait))
 
     def arrival(self, sizes: list[int], now: float) -> float:
         """Book the link for `sizes` from `now` (or when it is next free): when the last arrives."""
