@@ -85,11 +85,18 @@ def test_a_sync_that_counts_no_link_bytes_is_priced_by_its_own_bytes():
     (dict(arms=["bf16"]), "must hold fp32"),
     (dict(link_arms=["bf16"]), "must hold fp32"),
     (dict(gbps=[10.0]), "with 0: no link"),
+    (dict(gbps=[0.0, -1.0]), "gbps: -1.0 is not a link speed"),
+    (dict(gbps=[0.0, math.nan]), "gbps: nan is not a link speed"),
+    (dict(target_accuracy=2.0), r"target_accuracy=2.0 must be in \[0, 1\]"),
+    (dict(point_timeout_s=0.0), "point_timeout_s=0.0 must be > 0"),
+    (dict(threads_per_rank=-1), "threads_per_rank=-1 must be >= 0"),
+    (dict(compress_start=-1), "compress_start=-1 must be >= 0"),
 ])
 def test_bad_study_settings_are_one_line(keys, message):
     cfg = SimpleNamespace(**{"arms": list(ARMS), "link_arms": [], "seeds": [0], "nproc": [2],
                              "gbps": [0.0, 1.0], "steps": 3, "timing_steps": 3, "repeats": 1,
-                             "timing_warmup": 1, **keys})
+                             "timing_warmup": 1, "target_accuracy": 0.7, "point_timeout_s": 600.0,
+                             "threads_per_rank": 0, "compress_start": 0, **keys})
     with pytest.raises(ConfigError, match=message):
         check(cfg)
 
@@ -178,8 +185,9 @@ def test_the_compute_term_predicts_an_arm_from_fp32_and_its_compressor_alone():
     assert rows[0.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(125.0)
     assert rows[0.0, "powersgd-r2"]["from_fp32_err_pct"] == pytest.approx(100 * (125 / 130 - 1))
     # 10 B over 1 Gb/s is 8e-5 ms; fp32's 1000 B 8e-3 ms
-    assert rows[1.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(125.0 + 8e-5)
-    assert rows[1.0, "fp32"]["predicted_from_fp32_ms"] == pytest.approx(100.0 + 8e-3)
+    assert rows[1.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(125.0 + 8e-5,
+                                                                                abs=1e-9)
+    assert rows[1.0, "fp32"]["predicted_from_fp32_ms"] == pytest.approx(100.0 + 8e-3, abs=1e-9)
     # 990 B saved x 8 over 25 ms more: 316.8 kb/s
     assert rows[0.0, "powersgd-r2"]["predicted_breakeven_gbps"] == pytest.approx(
         990 * 8 / 25e-3 / 1e9)
@@ -245,3 +253,39 @@ def test_the_buckets_timed_alone_are_the_syncs():
     from launchers import spawn
 
     assert spawn(_buckets_of_the_sync, 1, timeout=30) == [True]
+
+
+def _checked(tmp_path, monkeypatch, passed: list[str], **keys) -> None:
+    from omegaconf import OmegaConf
+
+    monkeypatch.setattr(compression, "PASSED", passed)
+    cfg = OmegaConf.structured(compression.CompressionConfig(**{"seeds": [0], "repeats": 1,
+                                                                 **keys}))
+    compression.check_points(compression.plan(cfg, str(tmp_path)))
+
+
+def test_a_run_the_sync_cannot_make_is_refused_before_any_run(tmp_path, monkeypatch):
+    """sync=ddp on the command line runs the arms through torch's hooks, which have no top-k and
+    do not wait for an emulated link: one line naming the run, before anything launches (not a
+    failed run in its log). Each run is checked at its own world size: nodes of 2 on 4 ranks
+    (sync=hring) are fine, though this process alone is one rank."""
+    with pytest.raises(ConfigError, match="^accuracy-n2-topk-1pct-s0: sync.compress=topk") as e:
+        _checked(tmp_path, monkeypatch, ["sync=ddp"], arms=["fp32", "topk-1pct"], nproc=[2],
+                 gbps=[0.0])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="^link-n2-fp32-1gbps-r0: dist.link delays"):
+        _checked(tmp_path, monkeypatch, ["sync=ddp"], arms=["fp32"], nproc=[2], gbps=[0.0, 1.0])
+    _checked(tmp_path, monkeypatch, [], arms=["fp32", "powersgd-r2", "topk-1pct"], nproc=[2],
+             gbps=[0.0, 1.0])
+    _checked(tmp_path, monkeypatch, ["sync=hring", "dist.node_size=2", "dist.link.shared=true"],
+             arms=["fp32"], nproc=[4], gbps=[0.0, 1.0])
+
+
+def test_a_study_is_not_launched_over_one_it_would_delete(tmp_path):
+    compression.check_fresh(str(tmp_path))  # a fresh run dir
+    run = tmp_path / "runs" / "accuracy-n2-fp32-s0"
+    run.mkdir(parents=True)
+    compression.check_fresh(str(tmp_path))  # a run that never finished is nothing to keep
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds a study's runs already: tabulate them"):
+        compression.check_fresh(str(tmp_path))

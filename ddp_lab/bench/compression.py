@@ -39,6 +39,7 @@ break-even link speed from the same (`predicted_breakeven_gbps`): no run of the 
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -109,12 +110,63 @@ def check(cfg) -> None:
         raise ConfigError("seeds, nproc (>= 1) and gbps (with 0: no link) must not be empty")
     if min(cfg.steps, cfg.timing_steps, cfg.repeats) < 1 or cfg.timing_warmup < 0:
         raise ConfigError("steps, timing_steps and repeats must be >= 1, timing_warmup >= 0")
+    bad_speed = [g for g in cfg.gbps if not (math.isfinite(g) and g >= 0)]
+    if bad_speed:
+        raise ConfigError(f"gbps: {bad_speed[0]} is not a link speed (finite, >= 0; 0: no link)")
+    for name, ok, rule in (("target_accuracy", 0 <= cfg.target_accuracy <= 1, "in [0, 1]"),
+                           ("point_timeout_s", cfg.point_timeout_s > 0, "> 0"),
+                           ("threads_per_rank", cfg.threads_per_rank >= 0, ">= 0 (0: auto)"),
+                           ("compress_start", cfg.compress_start >= 0, ">= 0")):
+        if not ok:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be {rule}")
+
+
+def check_points(points: list) -> None:
+    """Every run's training config, as torchrun will start it (its world size too), valid before
+    any run starts: an arm the command line's sync cannot run (top-k with sync=ddp), a link
+    sync=ddp would not wait for. One line naming the run. Each kind of run is checked once: a
+    seed or a repeat changes nothing the checks read."""
+    from ddp_lab.cli import compose
+    from ddp_lab.config import validate
+    from ddp_lab.dist import launched_as
+
+    seen = set()
+    for point, what in points:
+        if (what["nproc"], what["arm"], what["gbps"]) in seen:
+            continue
+        seen.add((what["nproc"], what["arm"], what["gbps"]))
+        with launched_as(what["nproc"]):
+            try:
+                validate(compose(point.args))
+            except ConfigError as e:
+                raise ConfigError(f"{point.name}: {e}") from None
+
+
+def arm_config(cfg, arm: str):
+    """The training config of the arm's runs (without a seed or a link: those change neither
+    its validity nor its compressor)."""
+    from ddp_lab.cli import compose
+
+    return compose([*recipe(), *ARMS[arm], *_start(cfg, arm), *PASSED])
+
+
+def check_fresh(run_dir: str) -> None:
+    """A study's runs are never launched over: relaunching a point deletes its directory."""
+    if glob.glob(os.path.join(run_dir, "runs", "*", "summary.json")):
+        raise ConfigError(f"{run_dir} holds a study's runs already: tabulate them with "
+                          "tabulate_only=true, or give another hydra.run.dir")
 
 
 def recipe() -> list[str]:
     """RECIPE less what the command line's training overrides set themselves (optim=sgd, say)."""
     given = {a.split("=", 1)[0] for a in PASSED}
     return [a for a in RECIPE if a.split("=", 1)[0] not in given]
+
+
+def _start(cfg, arm: str) -> list[str]:
+    """PowerSGD's and top-k's sync.compress_start (the 16-bit arms have none)."""
+    return ([f"sync.compress_start={cfg.compress_start}"]
+            if arm.startswith(("powersgd", "topk")) else [])
 
 
 def plan(cfg, run_dir: str) -> list:
@@ -126,10 +178,9 @@ def plan(cfg, run_dir: str) -> list:
     def add(kind, n, arm, seed, gbps, repeat, args):
         where = f"s{seed}" if kind == "accuracy" else f"{gbps:g}gbps-r{repeat}"
         name = f"{kind}-n{n}-{arm}-{where}"
-        compressor = arm.startswith(("powersgd", "topk"))
-        start = [f"sync.compress_start={cfg.compress_start}"] if compressor else []
         point = Point(name, n, "ring", arm, "compression", 32,
-                      [*recipe(), *ARMS[arm], *start, f"seed={seed}", *NODES, *args, *PASSED],
+                      [*recipe(), *ARMS[arm], *_start(cfg, arm), f"seed={seed}", *NODES, *args,
+                       *PASSED],
                       os.path.join(run_dir, "runs", name))
         points.append((point, {"phase": kind, "nproc": n, "arm": arm, "seed": seed,
                                "gbps": gbps, "repeat": repeat}))
@@ -201,14 +252,14 @@ def _spread(xs: list[float]) -> tuple[float, float, float]:
 def calibrate(cfg, run_dir: str, threads: int) -> dict:
     """(nproc, arm) -> the arm's compressor timed alone (ms a step; 0 for arms without one), on
     `threads` threads, kept in compress_alone.json; a study tabulated again reads that file (the
-    time is the machine's that ran it). sync=ddp's arms run torch's hooks, not timed: NaN."""
+    time is the machine's that ran it). With sync=ddp, PowerSGD is torch's hook, not ours: not
+    timed, NaN."""
     path = os.path.join(run_dir, "compress_alone.json")
     if cfg.tabulate_only:
         if not os.path.exists(path):  # (a study from before the term)
             return {}
         with open(path) as f:
             return {(r["nproc"], r["arm"]): r["compress_alone_ms"] for r in json.load(f)}
-    from ddp_lab.cli import compose
     from ddp_lab.compress import COMPRESSORS
     from ddp_lab.models import build_model
 
@@ -216,7 +267,7 @@ def calibrate(cfg, run_dir: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     try:
         for arm in cfg.arms:
-            c = compose([*recipe(), *ARMS[arm], *PASSED])
+            c = arm_config(cfg, arm)
             timed = c.sync.compress in COMPRESSORS and c.sync.name != "ddp"
             if timed:
                 model = build_model(c.model.name, c.data.num_classes, 0.0, c.model.stem,
@@ -342,6 +393,9 @@ def run(cfg, run_dir: str) -> list[dict]:
 
     check(cfg)
     points = plan(cfg, run_dir)
+    if not cfg.tabulate_only:
+        check_fresh(run_dir)
+        check_points(points)
     env = point_env(cfg, "cpu", max(cfg.nproc))
     alone_ms = calibrate(cfg, run_dir, int(env["OMP_NUM_THREADS"]))
     runs = []

@@ -15,7 +15,8 @@ P and Q follow it, bitwise.
 
 The rest of what the hook reads goes in too: its step count (`iter`: compression starts at
 start_powerSGD_iter), the RandomState the first Q of a bucket is seeded from, the statistics.
-Each rank's error buffer is its own: a checkpoint of N ranks resumes at N ranks only.
+Each rank's error buffer is its own: a checkpoint of N ranks resumes at N ranks only (the
+checkpoint's config digest holds the world size: ddp_lab/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 from torch import nn
 
 from ddp_lab.compress.powersgd import as_matrix, numpy_rng_state, set_numpy_rng_state
-from ddp_lab.errors import ConfigError
 
 # the per-bucket dicts of torch's PowerSGDState, by the name they have in a checkpoint
 PARTS = {"error": "error_dict", "p": "p_memory_dict", "q": "q_memory_dict"}
@@ -34,8 +34,8 @@ class TorchPowerSGD:
     """A PowerSGDState, the bucket layout its dicts were made under, and (after a load) the state
     no bucket has taken up yet."""
 
-    def __init__(self, state, model: nn.Module, world_size: int):
-        self.state, self.world_size = state, world_size
+    def __init__(self, state, model: nn.Module):
+        self.state = state
         self.names = {p: name for name, p in model.named_parameters()}
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.layout: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameters, in order
@@ -104,7 +104,7 @@ class TorchPowerSGD:
             for part in PARTS:
                 parts[part].update(self._split(part, i))
         s = self.state
-        return {"world_size": self.world_size, "iter": s.iter,
+        return {"iter": s.iter,
                 "next_stats_report": s.next_stats_report, "rng": numpy_rng_state(s.rng),
                 "numel": torch.tensor([s.total_numel_before_compression,
                                        s.total_numel_after_compression]),
@@ -112,12 +112,6 @@ class TorchPowerSGD:
                    for part, pieces in parts.items()}}
 
     def load_state_dict(self, saved: dict, device: torch.device) -> None:
-        if saved["world_size"] != self.world_size:
-            raise ConfigError(
-                f"sync=ddp sync.compress=powersgd: the checkpoint holds the PowerSGD state "
-                f"(error buffers) of {saved['world_size']} ranks, each rank's own, and this run "
-                f"has {self.world_size}: resume with {saved['world_size']} ranks, or start "
-                "afresh with train.resume=never")
         s = self.state
         for attr in PARTS.values():
             getattr(s, attr).clear()

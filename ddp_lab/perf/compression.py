@@ -108,7 +108,8 @@ def compress_alone_ms(compressor, shapes: list[list[torch.Size]], world_size: in
 
 
 def _sum_of_one(t: torch.Tensor) -> None:
-    """compress_alone_ms's all-reduce: every rank's sum, where every rank holds what this one does."""
+    """compress_alone_ms's all-reduce: leaves `t` as it is (a sum would be N t; what is timed,
+    the compressor's compute, does not depend on the values)."""
 
 
 def _pieces_of_all(mine: torch.Tensor, whole: torch.Tensor) -> None:

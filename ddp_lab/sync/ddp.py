@@ -292,7 +292,7 @@ class DDPSync(GradSync):
                 None, matrix_approximation_rank=c.compress_rank,
                 start_powerSGD_iter=c.compress_start, min_compression_rate=c.min_compression_rate,
                 use_error_feedback=c.error_feedback, warm_start=True, random_seed=0)
-            self.powersgd = TorchPowerSGD(state, model, self.world_size)
+            self.powersgd = TorchPowerSGD(state, model)
             cpu = {"torch": _TorchWithoutCuda()} if self.device.type == "cpu" else {}
             ours = counting_copy(powerSGD_hook, dist=counting, default=default,
                                  **cpu).powerSGD_hook
