@@ -1,5 +1,6 @@
-"""The compression study's arithmetic (ddp_lab/bench/compression.py, ddp_lab/perf/compression.py),
-in process on hand-made run rows: no launch. The study itself: docs/results/cpu-compression."""
+"""The compression study's arithmetic (ddp_lab/bench/compression.py, compression_table.py,
+ddp_lab/perf/compression.py), in process on hand-made run rows: no launch. The study itself:
+docs/results/cpu-compression."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from ddp_lab.bench import compression
-from ddp_lab.bench.compression import ARMS, arm_rows, check
+from ddp_lab.bench.compression import ARMS, check
+from ddp_lab.bench.compression_table import arm_rows
 from ddp_lab.config import ConfigError
 from ddp_lab.perf.compression import breakeven_gbps, predict_step_ms, wire_ms
 

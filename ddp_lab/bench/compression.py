@@ -22,18 +22,14 @@ Per run (runs.jsonl): final accuracy, accuracy per evaluation, the step time (th
 over its timed steps), bytes and elements sent per step (counted: the Recorder's bytes; the
 elements handed to the collectives, summary.json's `comm.compression`, else every gradient
 element), the compressor's own host time per step.
-Per arm, nproc and link (arms.jsonl, the table): accuracy mean and sd over seeds, bytes and
-elements per step and how many times fewer elements than fp32, the step time median (min-max)
-over its runs, steps and seconds to `target_accuracy`, and on a link the step time predicted
-from the arm's own runs without a link plus the bytes its busiest link carries (counted:
-summary.json's `link_bytes_per_step`) over the link (ddp_lab/perf/compression.py),
-the change against fp32 measured and predicted, and without a link the speed below which the arm
-starts to pay (`breakeven_gbps`). The predictions use only the runs without a link: every
-linked point is one the model was not fitted on.
-The compression-compute term (ddp_lab/perf/compression.py): before any run, each compressor is
-timed alone in this process on the run's bucket shapes, with the runs' threads
-(`compress_alone.json`), and every arm, linked or not, is predicted from fp32's step without a
-link plus that time plus its link bytes (`predicted_from_fp32_ms`, `from_fp32_err_pct`), and its
+Per arm, nproc and link (arms.jsonl, the table: ddp_lab/bench/compression_table.py): accuracy
+over the seeds, bytes and elements, the step time, and the model's figures beside it. On a link,
+the step predicted from the arm's own runs without a link plus the bytes its busiest link
+carries (counted: summary.json's `link_bytes_per_step`) over the link; fitted on no linked
+point. The compression-compute term (ddp_lab/perf/compression.py): before any run each
+compressor is timed alone in this process on the run's bucket shapes, with the runs' threads
+(`compress_alone.json`, `calibrate`), and every arm, linked or not, is predicted from fp32's
+step without a link plus that time plus its link bytes (`predicted_from_fp32_ms`), and its
 break-even link speed from the same (`predicted_breakeven_gbps`): no run of the arm is an input.
 """
 
@@ -43,17 +39,16 @@ import glob
 import json
 import math
 import os
-import statistics
 import sys
 from dataclasses import dataclass, field
 
 import torch
 from hydra.core.config_store import ConfigStore
 
-from ddp_lab.bench.common import entry, plot_lines, report, write_info
+from ddp_lab.bench.common import entry, report, write_info
+from ddp_lab.bench.compression_table import COLUMNS, arm_rows, plot
 from ddp_lab.config import ConfigError
-from ddp_lab.perf.compression import (breakeven_gbps, bucket_shapes, compress_alone_ms,
-                                      predict_step_ms, wire_ms)
+from ddp_lab.perf.compression import bucket_shapes, compress_alone_ms
 
 # Every arm's sync.* overrides.
 ARMS = {
@@ -245,10 +240,6 @@ def evaluations(run_dir: str) -> list[list]:
     return [[r["step"], r["val/accuracy"]] for r in rows if "val/accuracy" in r]
 
 
-def _spread(xs: list[float]) -> tuple[float, float, float]:
-    return (statistics.median(xs), min(xs), max(xs)) if xs else (math.nan,) * 3
-
-
 def calibrate(cfg, run_dir: str, threads: int) -> dict:
     """(nproc, arm) -> the arm's compressor timed alone (ms a step; 0 for arms without one), on
     `threads` threads, kept in compress_alone.json; a study tabulated again reads that file (the
@@ -283,109 +274,6 @@ def calibrate(cfg, run_dir: str, threads: int) -> dict:
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
     return {(r["nproc"], r["arm"]): r["compress_alone_ms"] for r in rows}
-
-
-def arm_rows(runs: list[dict], cfg, alone_ms: dict | None = None) -> list[dict]:
-    """The table: one row per nproc, link speed and arm that has runs (see the module);
-    `alone_ms`: calibrate's, for the predictions from fp32."""
-    ok = [r for r in runs if r["status"] == "ok"]
-    pick = lambda **k: [r for r in ok if all(r[a] == v for a, v in k.items())]
-    rows = []
-    for n in cfg.nproc:
-        for gbps in cfg.gbps:
-            for arm in cfg.arms:
-                here, alone = pick(nproc=n, gbps=gbps, arm=arm), pick(nproc=n, gbps=0.0, arm=arm)
-                if here and alone:
-                    rows.append(_arm_row(n, gbps, arm, here, alone, cfg))
-    for row in rows:  # against fp32 at the same nproc and link
-        base = next((b for b in rows if (b["nproc"], b["gbps"], b["arm"]) ==
-                     (row["nproc"], row["gbps"], "fp32")), None)
-        if base is not None:
-            _against(row, base)
-        fp32 = next((b for b in rows if (b["nproc"], b["gbps"], b["arm"]) ==
-                     (row["nproc"], 0.0, "fp32")), None)
-        if fp32 is not None and (row["nproc"], row["arm"]) in (alone_ms or {}):
-            _from_fp32(row, fp32, alone_ms[row["nproc"], row["arm"]])
-    return rows
-
-
-def _from_fp32(row: dict, fp32: dict, alone_ms: float) -> None:
-    """The compression-compute term's prediction of the row from fp32's step without a link
-    (`fp32`'s row) and the arm's compressor timed alone (ddp_lab/perf/compression.py)."""
-    base = fp32["step_ms"] + alone_ms
-    row["compress_alone_ms"] = alone_ms
-    row["predicted_from_fp32_ms"] = base + wire_ms(row["link_bytes_per_step"], row["gbps"])
-    row["from_fp32_err_pct"] = 100 * (row["predicted_from_fp32_ms"] / row["step_ms"] - 1)
-    if not row["gbps"]:
-        row["predicted_breakeven_gbps"] = breakeven_gbps(base, row["link_bytes_per_step"],
-                                                         fp32["step_ms"],
-                                                         fp32["link_bytes_per_step"])
-
-
-def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict], cfg) -> dict:
-    accuracy = [r["val_accuracy"] for r in alone if r["phase"] == "accuracy"]
-    step, lo, hi = _spread([r["step_ms"] for r in here])
-    reached = [r["steps_to_target"] for r in alone if r.get("steps_to_target") is not None]
-    steps_to = statistics.median(reached) if len(reached) > len(accuracy) / 2 else math.nan
-    first = alone[0]
-    row = {"nproc": n, "gbps": gbps, "arm": arm, "runs": len(here),
-           "acc_mean": statistics.mean(accuracy) if accuracy else math.nan,
-           "acc_sd": statistics.stdev(accuracy) if len(accuracy) > 1 else math.nan,
-           "bytes_per_step": first["bytes_per_step"],
-           "link_bytes_per_step": first["link_bytes_per_step"],
-           "elements_per_step": first["elements_per_step"],
-           "gradient_elements": first["gradient_elements"],
-           "compress_ms": statistics.median(r["compress_ms"] for r in alone),
-           "step_ms": step, "step_ms_min": lo, "step_ms_max": hi,
-           "reached_target": f"{len(reached)}/{len(accuracy)}", "steps_to_target": steps_to,
-           "time_to_target_s": steps_to * step / 1e3}
-    if gbps:
-        row["predicted_step_ms"] = predict_step_ms(_spread([r["step_ms"] for r in alone])[0],
-                                                   row["link_bytes_per_step"], gbps)
-        row["predicted_err_pct"] = 100 * (row["predicted_step_ms"] / step - 1)
-    return row
-
-
-def _against(row: dict, base: dict) -> None:
-    """The row's elements, accuracy and step time against fp32's at its nproc and link."""
-    row["x_fewer_elements"] = base["elements_per_step"] / row["elements_per_step"]
-    row["acc_vs_fp32_pts"] = 100 * (row["acc_mean"] - base["acc_mean"])
-    row["step_change_ms"] = row["step_ms"] - base["step_ms"]
-    if "predicted_step_ms" in row:
-        row["predicted_change_ms"] = row["predicted_step_ms"] - base["predicted_step_ms"]
-        row["change_err_pct"] = (100 * (row["predicted_change_ms"] / row["step_change_ms"] - 1)
-                                 if row["step_change_ms"] else math.nan)
-    else:
-        row["breakeven_gbps"] = breakeven_gbps(row["step_ms"], row["link_bytes_per_step"],
-                                               base["step_ms"], base["link_bytes_per_step"])
-
-
-def plot(rows: list[dict], run_dir: str) -> None:
-    """accuracy against bytes per step (no link), and measured against predicted step time."""
-    alone = [r for r in rows if r["gbps"] == 0]
-    plot_lines({f"{r['arm']} n={r['nproc']}": ([r["bytes_per_step"] / 1e6], [r["acc_mean"]])
-                for r in alone}, os.path.join(run_dir, "accuracy_vs_bytes.png"),
-               xlabel="MB sent per step per rank (counted)",
-               ylabel="final accuracy (mean of seeds)",
-               title="accuracy against bytes", logx=True)
-    series = {}
-    for r in sorted(rows, key=lambda r: -r["gbps"]):
-        if r["gbps"]:
-            for kind, y in (("measured", r["step_ms"]), ("predicted", r["predicted_step_ms"])):
-                xs, ys = series.setdefault(f"{r['arm']} n={r['nproc']} {kind}", ([], []))
-                xs.append(r["gbps"])
-                ys.append(y)
-    if series:
-        plot_lines(series, os.path.join(run_dir, "step_time_vs_link.png"), xlabel="link (Gb/s)",
-                   ylabel="step time (ms)", title="measured and predicted step time", logx=True)
-
-
-COLUMNS = ["nproc", "gbps", "arm", "acc_mean", "acc_sd", "bytes_per_step", "link_bytes_per_step",
-           "elements_per_step",
-           "x_fewer_elements", "compress_ms", "step_ms", "step_ms_min", "step_ms_max",
-           "predicted_step_ms", "step_change_ms", "predicted_change_ms", "change_err_pct",
-           "breakeven_gbps", "reached_target", "time_to_target_s", "compress_alone_ms",
-           "predicted_from_fp32_ms", "from_fp32_err_pct", "predicted_breakeven_gbps"]
 
 
 def run(cfg, run_dir: str) -> list[dict]:
