@@ -223,7 +223,12 @@ def candidates(run_dir: str) -> list[str]:
 def _config_diff(old: dict | None, new: dict) -> str:
     if not isinstance(old, dict):
         return ""
-    keys = sorted(set(old) | set(new))
+    keys = set(old) | set(new)
+    if ("global_batch" in old) != ("global_batch" in new):
+        # a sharded checkpoint keeps its global batch, a whole one its world size and batch
+        # (resume_config): those are how each is scoped, not differences; sync.* says what is
+        keys -= {"global_batch", "world_size", "train.batch_size"}
+    keys = sorted(keys)
     diff = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in keys
             if old.get(k, "<unset>") != new.get(k, "<unset>")]
     return (" Differences (checkpoint -> now): " + "; ".join(diff[:8])

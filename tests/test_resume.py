@@ -135,6 +135,17 @@ def test_incompatible_checkpoint_is_refused_with_the_differences(tmp_path):
     assert "hydra.run.dir" in str(e.value) and "train.resume=never" in str(e.value)
 
 
+def test_a_sharded_checkpoint_against_a_whole_one_names_only_real_differences():
+    """A sharded checkpoint's resume_config holds the global batch where a whole one's holds the
+    world size and batch: the diff names sync.zero, not those three as '<unset>'."""
+    sharded = {"sync.zero": 2, "global_batch": 16}
+    whole = {"sync.zero": 0, "world_size": 2, "train.batch_size": 8}
+    said = checkpoint._config_diff(sharded, whole)
+    assert said == " Differences (checkpoint -> now): sync.zero: 2 -> 0."
+    assert "global_batch: 16 -> 8" in checkpoint._config_diff({"global_batch": 16},
+                                                              {"global_batch": 8})
+
+
 class _Exploit:
     def __reduce__(self):
         return (os.system, ("touch /tmp/ddp_lab_pwned",))
