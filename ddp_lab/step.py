@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddp_lab.compress.powersgd import nothing_compressed
 from ddp_lab.dist import DistInfo
 from ddp_lab.errors import ConfigError
 from ddp_lab.graph import GraphedTrainStep
@@ -60,6 +62,8 @@ def build_parts(cfg, info: DistInfo, num_classes: int, tracer=None,
     model = build_model(cfg.model.name, num_classes, cfg.model.dropout, cfg.model.stem,
                         cfg.model.fc_width).to(device, memory_format=memory_format)
     torch.manual_seed(cfg.seed + 1 + info.rank)  # then a stream per rank: dropout masks differ
+    if cfg.sync.compress == "powersgd" and info.rank == 0:
+        _warn_if_nothing_compressed(cfg.sync, model)
     precision = setup_precision(cfg.precision, device, tcfg.cudnn_benchmark)
     if sync is None:
         sync = build_sync(cfg.sync, info)
@@ -71,6 +75,13 @@ def build_parts(cfg, info: DistInfo, num_classes: int, tracer=None,
         train_model = compile_model(train_model, device, tcfg.compile_mode)
     optimizer = sync.build_optimizer(model, *optimizer_class(cfg.optim, device))
     return Parts(model, train_model, sync, optimizer, precision, memory_format)
+
+
+def _warn_if_nothing_compressed(scfg, model: nn.Module) -> None:
+    warning = nothing_compressed([p.shape for p in model.parameters() if p.requires_grad],
+                                 scfg.compress_rank, scfg.min_compression_rate)
+    if warning:
+        logging.getLogger("ddp_lab").warning(warning)
 
 
 def compile_model(module: nn.Module, device: torch.device, mode: str) -> nn.Module:

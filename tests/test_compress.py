@@ -304,3 +304,24 @@ def test_powersgd_draws_its_first_q_without_touching_the_global_generators(monke
     seeded.clear()
     make("powersgd", rank=2, seed=7).reduce(0, grads(0, 0), SHAPES, Ops(1, lambda t: t, None))
     assert seeded == [] and torch.equal(torch.rand(3), want)
+
+
+def test_a_rank_too_high_for_every_matrix_is_said_once_on_rank_0(caplog):
+    """sync.compress_rank=100000 compresses nothing (torch's rule sends every matrix whole): the
+    run says so in a warning instead of reporting a rate of 1.0 without a word."""
+    from types import SimpleNamespace
+
+    from ddp_lab import step
+    from ddp_lab.compress.powersgd import nothing_compressed
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    keys = SimpleNamespace(compress_rank=100000, min_compression_rate=2.0)
+    with caplog.at_level("WARNING", logger="ddp_lab"):
+        step._warn_if_nothing_compressed(keys, model)
+    assert [r.getMessage() for r in caplog.records] == [
+        "sync.compress_rank=100000: PowerSGD compresses none of the model's 2 matrices ((rows + "
+        "cols) x rank x sync.min_compression_rate=2 is not below rows x cols for any): every "
+        "gradient is sent whole, as without compression"]
+    # (16 + 8) x 1 x 2 = 48 < 128: the first matrix compresses at rank 1; biases never count
+    assert nothing_compressed([p.shape for p in model.parameters()], 1, 2.0) is None
+    assert nothing_compressed([torch.Size([5])], 100000, 2.0) is None  # no matrix at all

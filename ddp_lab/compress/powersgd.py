@@ -52,6 +52,18 @@ def as_matrix(shape, rank: int, min_rate: float) -> tuple[int, int, int, bool]:
     return rows, cols, r, should_compress(rows, cols, r, min_rate)
 
 
+def nothing_compressed(shapes, rank: int, min_rate: float) -> str | None:
+    """A warning where torch's rule compresses none of the matrices of `shapes` at `rank` (every
+    bucket then goes whole, as without compression: a rank too high for this model), else None."""
+    matrices = [s for s in shapes if len(s) > 1]
+    if not matrices or any(as_matrix(s, rank, min_rate)[3] for s in matrices):
+        return None
+    return (f"sync.compress_rank={rank}: PowerSGD compresses none of the model's "
+            f"{len(matrices)} matrices ((rows + cols) x rank x sync.min_compression_rate="
+            f"{min_rate:g} is not below rows x cols for any): every gradient is sent whole, "
+            "as without compression")
+
+
 @COMPRESSORS.register("powersgd")
 class PowerSGD(Compressor):
     def __init__(self, rank: int = 2, min_compression_rate: float = 2.0,
