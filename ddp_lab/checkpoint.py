@@ -226,13 +226,21 @@ def _config_diff(old: dict | None, new: dict) -> str:
     keys = set(old) | set(new)
     if ("global_batch" in old) != ("global_batch" in new):
         # a sharded checkpoint keeps its global batch, a whole one its world size and batch
-        # (resume_config): those are how each is scoped, not differences; sync.* says what is
-        keys -= {"global_batch", "world_size", "train.batch_size"}
-    keys = sorted(keys)
-    diff = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in keys
+        # (resume_config): compared as global batches, not as keys one side lacks
+        old, new = _global_batch(old), _global_batch(new)
+        keys = set(old) | set(new)
+    diff = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in sorted(keys)
             if old.get(k, "<unset>") != new.get(k, "<unset>")]
     return (" Differences (checkpoint -> now): " + "; ".join(diff[:8])
             + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "") + ".") if diff else ""
+
+
+def _global_batch(flat: dict) -> dict:
+    """A resume_config with its global batch in place of its world size and batch."""
+    if "global_batch" in flat:
+        return flat
+    rest = {k: v for k, v in flat.items() if k not in ("world_size", "train.batch_size")}
+    return rest | {"global_batch": flat.get("world_size", 1) * flat.get("train.batch_size", 0)}
 
 
 def check_config(ckpt: dict, path: str, digest: str, current: dict | None) -> None:

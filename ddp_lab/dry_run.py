@@ -326,7 +326,8 @@ def _forward_backward(model, image_size: int, device: torch.device) -> None:
 def _shard_ranges(sync, rank: int, world_size: int) -> list[list[int]]:
     """Each bucket's shard on this rank: [start, stop) of its flat parameters. ZeRO-1/2's shard
     is a view, whose offset says where it lies; ZeRO-3's is a copy (its flat is freed outside a
-    step), cut where comm.shard cuts, for as long as the copy is."""
+    step), placed where comm.shard cuts, for as long as the copy is: at stage 3 the cover check
+    tests the shards' lengths, not where the sync placed them."""
     out = []
     for s, f in zip(sync.shards, sync.flats):
         if sync.stage < 3:

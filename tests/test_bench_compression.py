@@ -291,3 +291,38 @@ def test_a_study_is_not_launched_over_one_it_would_delete(tmp_path):
     (run / "summary.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds a study's runs already: tabulate them"):
         compression.check_fresh(str(tmp_path))
+
+
+def test_the_study_refuses_before_launching_anything(tmp_path, monkeypatch):
+    """run() itself: a run the sync cannot make, and a run dir holding finished runs, are refused
+    before any launch (launching fails this test) and before the compressors are timed."""
+    from omegaconf import OmegaConf
+
+    import ddp_lab.scale.launch
+
+    monkeypatch.setattr(ddp_lab.scale.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(compression, "calibrate", lambda *a, **k: pytest.fail("calibrated"))
+    cfg = OmegaConf.structured(compression.CompressionConfig(
+        arms=["fp32", "topk-1pct"], seeds=[0], nproc=[2], gbps=[0.0], plot=False))
+    monkeypatch.setattr(compression, "PASSED", ["sync=ddp"])
+    with pytest.raises(ConfigError, match="^accuracy-n2-topk-1pct-s0: sync.compress=topk"):
+        compression.run(cfg, str(tmp_path))
+    monkeypatch.setattr(compression, "PASSED", [])
+    (tmp_path / "runs" / "accuracy-n2-fp32-s0").mkdir(parents=True)
+    (tmp_path / "runs" / "accuracy-n2-fp32-s0" / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds a study's runs already"):
+        compression.run(cfg, str(tmp_path))
+
+
+def test_tabulating_a_study_reads_the_run_dir_its_command_wrote(monkeypatch):
+    """The refusal above says: the same command with tabulate_only=true. Without a
+    hydra.run.dir, both name the same default run dir."""
+    import sys
+
+    dirs = []
+    monkeypatch.setattr(compression, "entry", lambda task, name: lambda: dirs.append(
+        [a for a in sys.argv if a.startswith("hydra.run.dir=")]))
+    monkeypatch.setattr(sys, "argv", ["compression"])
+    compression.main(["nproc=[2]", "steps=3"])
+    compression.main(["nproc=[2]", "steps=3", "tabulate_only=true"])
+    assert dirs[0] == dirs[1] and len(dirs[0]) == 1, dirs

@@ -306,7 +306,7 @@ def test_powersgd_draws_its_first_q_without_touching_the_global_generators(monke
     assert seeded == [] and torch.equal(torch.rand(3), want)
 
 
-def test_a_rank_too_high_for_every_matrix_is_said_once_on_rank_0(caplog):
+def test_a_rank_too_high_for_every_matrix_is_said_in_a_warning(caplog):
     """sync.compress_rank=100000 compresses nothing (torch's rule sends every matrix whole): the
     run says so in a warning instead of reporting a rate of 1.0 without a word."""
     from types import SimpleNamespace

@@ -142,6 +142,9 @@ def test_a_sharded_checkpoint_against_a_whole_one_names_only_real_differences():
     whole = {"sync.zero": 0, "world_size": 2, "train.batch_size": 8}
     said = checkpoint._config_diff(sharded, whole)
     assert said == " Differences (checkpoint -> now): sync.zero: 2 -> 0."
+    # a global batch that really changed is still named (2 x 4 = 8 against 16)
+    assert "global_batch: 16 -> 8" in checkpoint._config_diff(
+        sharded, {**whole, "train.batch_size": 4})
     assert "global_batch: 16 -> 8" in checkpoint._config_diff({"global_batch": 16},
                                                               {"global_batch": 8})
 

@@ -4,7 +4,7 @@
 # PowerSGD r = 2. From the repository root: bash docs/results/cpu-compression/measure.sh
 # (OUT=elsewhere to keep these). The outputs it copies here: study/, count/, start22/ (PowerSGD
 # r = 2 after one uncompressed epoch; run after the other two, on its own).
-set -u
+set -eu  # (-e: a study refused, say over an earlier one in OUT, copies nothing here)
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-outputs/bench/compression}
 HERE=docs/results/cpu-compression
