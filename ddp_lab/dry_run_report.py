@@ -5,7 +5,8 @@ itself is ddp_lab/dry_run.py."""
 from __future__ import annotations
 
 from ddp_lab import comm
-from ddp_lab.comm import ring, tree
+from ddp_lab.comm import ring
+from ddp_lab.perf.collectives import tree_children, tree_rank_sent
 from ddp_lab.perf.memory import GB
 from ddp_lab.perf.step import bytes_per_step
 from ddp_lab.sync.config import wire_dtype
@@ -85,13 +86,8 @@ def rank_sends(algo: str, op: str, numel: int, elem: int, n: int, rank: int,
         if rank == 0:
             return (n - 1) * s / (n if op == "reduce_scatter" else 1), n - 1
         return s / (n if op == "all_gather" else 1), 1
-    # tree: up to the parent once, down to each child; a half sends chunks of a subtree one way
-    share = lambda r: len(tree.subtree(r, n)) * s / n  # the chunks of r's subtree
-    children = [rank + d for d in (1 << k for k in range(tree.levels(n)))
-                if rank % (2 * d) == 0 and rank + d < n]
-    up = (rank > 0) * (share(rank) if op == "all_gather" else s)
-    down = sum(share(c) if op == "reduce_scatter" else s for c in children)
-    return up + down, (rank > 0) + len(children)
+    return (tree_rank_sent(s, n, rank, op),  # up to the parent once, down to each child
+            (rank > 0) + len(tree_children(rank, n)))
 
 
 def _ring_messages(op: str, numel: int, elem: int, n: int, rank: int, g: int) -> int:

@@ -97,17 +97,25 @@ def _half_cost(algo: str, s: float, n: int, scatter: bool) -> Cost:
     # level k. Reduce-scatter: a rank sends S up and its children their subtrees' chunks;
     # all-gather: its own subtree's chunks up and S to each child.
     pieces = sum(min(1 << k, n - (1 << k)) for k in range(levels)) * c
-    if scatter:
-        sent = [(r > 0) * s + sum(_subtree(k, n) for k in _children(r, n, levels)) * c
-                for r in range(n)]
-    else:
-        sent = [(r > 0) * _subtree(r, n) * c + len(_children(r, n, levels)) * s
-                for r in range(n)]
+    op = "reduce_scatter" if scatter else "all_gather"
+    sent = max(tree_rank_sent(s, n, r, op) for r in range(n))
     chunked = sum(bin(p).count("1") for p in range(1, n)) * c
-    return Cost(2 * levels, levels * s + pieces, max(sent), (n - 1) * s + chunked)
+    return Cost(2 * levels, levels * s + pieces, sent, (n - 1) * s + chunked)
 
 
-def _children(r: int, n: int, levels: int) -> list[int]:
+def tree_rank_sent(s: float, n: int, r: int, op: str) -> float:
+    """The bytes rank r of the tree (ddp_lab/comm/tree.py) sends in `op` of `s` bytes on `n`
+    ranks: once up to its parent, once down to each child. The all-reduce sends the whole
+    tensor each way; a reduce-scatter sends S up and each child its subtree's chunks; an
+    all-gather its own subtree's chunks up and S to each child."""
+    c = s / n
+    up = (r > 0) * (_subtree(r, n) * c if op == "all_gather" else s)
+    return up + sum(_subtree(k, n) * c if op == "reduce_scatter" else s
+                    for k in tree_children(r, n))
+
+
+def tree_children(r: int, n: int) -> list[int]:
+    levels = math.ceil(math.log2(n)) if n > 1 else 0
     low = (r & -r).bit_length() - 1 if r else levels  # a rank's children sit below its lowest bit
     return [r + (1 << k) for k in range(low) if r + (1 << k) < n]
 
