@@ -82,7 +82,7 @@ from ddp_lab.perf.step import ZERO_OPS, gathers
 from ddp_lab.sync import build_sync
 from ddp_lab.sync.bucketed import new_buffers
 from ddp_lab.sync.config import wire_dtype
-from ddp_lab.sync.zero import shard_ranges
+from ddp_lab.sync.zero_checkpoint import shard_ranges
 from ddp_lab.sync.zero3 import unit_numels
 
 PROGRESS_S = 5.0  # seconds between progress lines on stderr

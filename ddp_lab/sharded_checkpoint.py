@@ -14,9 +14,9 @@ is a directory, `checkpoint_step<N>/`:
     __<r>_<i>.distcp  DCP's data files: rank r's tensors
 
 What each rank writes is its sync's `state_shards`: FSDP's DTensors (DCP knows their cut), ZeRO's
-flat shards under one key per rank with the offsets map in `layout` (ddp_lab/sync/zero.py; at
-ZeRO-3 the parameters' shards too, zero3.py), and the tensors every rank holds (ZeRO-1/2's
-parameters) once, by whichever rank DCP picks. Nothing is gathered; a GPU tensor is copied to
+flat shards under one key per rank with the offsets map in `layout`
+(ddp_lab/sync/zero_checkpoint.py; at ZeRO-3 the parameters' shards too), and the tensors every
+rank holds (ZeRO-1/2's parameters) once, by whichever rank DCP picks. Nothing is gathered; a GPU tensor is copied to
 the host one at a time.
 
 Writing is atomic: into `checkpoint_step<N>.tmp/`, every rank's files synced; then each rank

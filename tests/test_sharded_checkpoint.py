@@ -208,7 +208,7 @@ def test_a_zero3_checkpoint_gathers_nothing_and_holds_each_parameter_once(tmp_pa
     tensors, layout, params = read["tensors"], read["layout"], got[0][3]
     assert not any(k.startswith("model.") for k in sharded_checkpoint.Shards(
         _checkpoint(tmp_path)).metadata)  # (the model has no buffers: nothing else is whole)
-    from ddp_lab.sync.zero import shard_ranges
+    from ddp_lab.sync.zero_checkpoint import shard_ranges
     for u, bucket in enumerate(layout["buckets"]):
         assert [tensors[f"param.{u}.{r}"].numel() for r in range(2)] == \
             [e - s for s, e in shard_ranges(bucket["numel"], 2)]
@@ -237,7 +237,7 @@ def _checkpoint(run_dir) -> str:
 
 
 def test_shard_ranges_are_where_comm_shard_cuts():
-    from ddp_lab.sync.zero import shard_ranges
+    from ddp_lab.sync.zero_checkpoint import shard_ranges
 
     for numel in (0, 1, 5, 10, 11, 1031):
         for n in (1, 2, 3, 4, 7):

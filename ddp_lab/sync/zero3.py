@@ -244,7 +244,7 @@ class ZeRO3Sync(ShardedSync):
                 p.data = view
 
     # ---- checkpoints: this rank's shards, of the parameters too; nothing is gathered ----
-    # (ShardedSync.state_shards and load_state_shards, with the parameters' shards as
+    # (zero_checkpoint.py's state_shards and load_state_shards, with the parameters' shards as
     # `param.<unit>.<rank>` and where each parameter lies in its unit in the layout: what a load
     # checks the model against, and how `sharded_checkpoint.read_whole` makes it whole)
 
