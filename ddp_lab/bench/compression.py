@@ -331,9 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     PASSED[:] = [a for a in argv if is_training_override(a)]
     own = [a for a in argv if not is_training_override(a)]
     if not any(a.startswith("hydra.run.dir=") for a in own):
-        # (tabulate_only left out of the name: the same command with it reads the same study)
-        named = [a for a in argv if not a.startswith("tabulate_only=")]
-        own.append(f"hydra.run.dir=outputs/bench/compression/{run_name(named)}")
+        own.append(f"hydra.run.dir=outputs/bench/compression/{run_name(argv)}")
     sys.argv = [sys.argv[0], *own]
     entry(run, "bench/compression")()
 

@@ -21,8 +21,10 @@ from ddp_lab.tables import write_rows
 # app's own schema has no model/train/... nodes: composing the training groups here would fix
 # one `sync`, the very thing swept).
 PASSTHROUGH: list[str] = []
-# Scale keys that do not change results and so do not name the run directory.
-NOT_IN_NAME = ("point_timeout_s", "keep_checkpoints", "predict.timeout_s", "train.progress")
+# Keys that do not change results and so do not name the run directory (tabulate_only:
+# bench.compression then reads the study its command wrote).
+NOT_IN_NAME = ("point_timeout_s", "keep_checkpoints", "predict.timeout_s", "train.progress",
+               "tabulate_only")
 
 
 class Say:
