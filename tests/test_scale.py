@@ -107,7 +107,6 @@ def test_sweep_writes_consistent_csv(scale_sweep):
             assert num(r["rank_skew"]) >= 0
         parts = sum(num(r[f"{ph}_ms"]) for ph in PHASES)
         assert parts == pytest.approx(num(r["step_ms"]))  # adds up (other: what medians leave)
-        assert abs(num(r["other_ms"])) < 0.5 * num(r["step_ms"])  # medians of phases vs steps
         assert num(r["compute_ms"]) == pytest.approx(num(r["forward_ms"]) + num(r["backward_ms"]))
         if n == 1:  # nothing sent: what the sync costs alone is booked as `sync`, not comm
             assert num(r["exposed_comm_ms"]) < 0.01 * num(r["step_ms"])
