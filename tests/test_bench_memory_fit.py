@@ -177,3 +177,20 @@ def test_zero_stages_per_gpu_and_gpus_needed():
         {"weights": 4e9, "grads": 1e9, "optimizer": 1e9, "master": 0.0, "total": 6e9})
     with pytest.raises(ValueError, match="stage must be one of"):
         mem.zero_bytes(1e9, 4, 2)
+
+
+def test_measure_overrides_reach_every_measured_run():
+    """measure_overrides come last in each measure_zero run's config, so they win over the
+    benchmark's own settings: cuDNN's autotuner off (on by default), and a batch override."""
+    from ddp_lab.bench.zero_peak import zero_train_config
+    from ddp_lab.cli import compose
+
+    cpu = torch.device("cpu")
+    plain = compose(["measure_model=alexnet_cifar", "measure_batch=32"], "bench/memory_fit")
+    assert zero_train_config(plain, 3, "fp32", cpu).train.cudnn_benchmark is True
+    cfg = compose(["measure_model=alexnet_cifar", "measure_batch=32",
+                   'measure_overrides=["train.cudnn_benchmark=false","train.batch_size=8"]'],
+                  "bench/memory_fit")
+    run = zero_train_config(cfg, 3, "fp32", cpu)
+    assert run.train.cudnn_benchmark is False and run.train.batch_size == 8
+    assert run.sync.zero == 3 and run.sync.name == "ring"

@@ -77,6 +77,8 @@ class MemoryFitConfig:
     # ZeRO stages (0-3) to train with ddp_lab's own loop (sync=ring, AdamW) at world size 1:
     # predicted vs measured peak, and the bytes held, counted from storages
     measure_zero: list[int] = field(default_factory=list)
+    # training overrides every measure_zero run gets last, e.g. ["train.cudnn_benchmark=false"]
+    measure_overrides: list[str] = field(default_factory=list)
     zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # [] leaves the table out
     zero_gpus: list[int] = field(default_factory=lambda: [8, 64, 1024])  # N for the per-GPU GB
     zero_scheme: str = "mixed"  # fp32 | mixed | torch_amp | bf16 (ddp_lab.perf.memory.SCHEMES)

@@ -65,14 +65,15 @@ def measure_zero_rows(cfg, run_dir: str) -> list[dict]:
 
 def zero_train_config(cfg, stage: int, precision: str, device: torch.device):
     """The training config of one measure_zero run: cfg.measure_* on synthetic data, sync=ring at
-    sync.zero=stage, AdamW."""
+    sync.zero=stage, AdamW, then cfg.measure_overrides."""
     from ddp_lab.bench.train_throughput import row_overrides
     from ddp_lab.cli import compose
 
     overrides = [o for o in row_overrides(
         cfg.measure_model, precision, cfg.measure_channels_last, False, cfg.measure_batch,
         cfg.measure_steps, 2, device, 0) if o != "sync=none"]
-    return compose(overrides + ["sync=ring", f"sync.zero={stage}", "optim=adamw"])
+    return compose(overrides + ["sync=ring", f"sync.zero={stage}", "optim=adamw",
+                                *cfg.measure_overrides])
 
 
 def predicted_peak_parts(cfg, precision: str, summary: dict) -> dict[str, float]:
