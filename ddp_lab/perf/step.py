@@ -103,19 +103,28 @@ def schedule(buckets: Sequence[Bucket], backward_s: float, allreduce_s: Callable
     1/interference.compute of its speed and the all-reduce at 1/interference.comm; after backward
     the all-reduces run at full speed. Without interference this is start_b = max(ready_b,
     end_{b-1}), end_b = start_b + t_b: the model of the module docstring."""
-    ready = [b.ready * backward_s if overlap else backward_s for b in buckets]
+    return schedule_times([b.ready for b in buckets], backward_s,
+                          [allreduce_s(b.nbytes) for b in buckets], overlap, interference)
+
+
+def schedule_times(ready_fractions: Sequence[float], backward_s: float,
+                   times_s: Sequence[float], overlap: bool = True,
+                   interference: Interference = NO_INTERFERENCE) -> Schedule:
+    """`schedule` given each bucket's time on the channel rather than a price of its bytes: for
+    work whose time is not one function of the size (a compressor's, an emulated link's)."""
+    ready = [r * backward_s if overlap else backward_s for r in ready_fractions]
     sc, sm = interference.compute, interference.comm
     t = work = busy = wall = end = 0.0
     j, left, began = 0, None, 0.0  # next bucket; work left in the one in flight; its start
     while work < backward_s:
-        if left is None and j < len(buckets) and ready[j] <= work:
-            left, began = allreduce_s(buckets[j].nbytes), t
+        if left is None and j < len(times_s) and ready[j] <= work:
+            left, began = times_s[j], t
             busy += left
         rate = 1.0 / sc if left is not None else 1.0
         dt, event = (backward_s - work) / rate, "backward"
         if left is not None and left * sm < dt:
             dt, event = left * sm, "comm"
-        elif left is None and j < len(buckets) and (ready[j] - work) / rate < dt:
+        elif left is None and j < len(times_s) and (ready[j] - work) / rate < dt:
             dt, event = (ready[j] - work) / rate, "ready"
         t += dt  # (the event's own target exactly: no rounding can leave it a hair short)
         work = {"backward": backward_s, "ready": ready[j] if j < len(ready) else work}.get(
@@ -127,8 +136,7 @@ def schedule(buckets: Sequence[Bucket], backward_s: float, allreduce_s: Callable
     backward_end = t if backward_s > 0 else 0.0
     if left is not None:  # the all-reduce in flight finishes at full speed
         end, wall, j = t + left, wall + t + left - began, j + 1
-    for b in buckets[j:]:
-        tb = allreduce_s(b.nbytes)
+    for tb in times_s[j:]:
         start = max(end, backward_end)
         end, busy, wall = start + tb, busy + tb, wall + tb
     return Schedule(backward_s, backward_end, end, busy, wall)
