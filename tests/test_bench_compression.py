@@ -15,33 +15,80 @@ from ddp_lab.bench import compression
 from ddp_lab.bench.compression import ARMS, check
 from ddp_lab.bench.compression_table import arm_rows
 from ddp_lab.config import ConfigError
-from ddp_lab.perf.compression import breakeven_gbps, predict_step_ms, wire_ms
+from ddp_lab.perf.compression import Thread, breakeven_gbps, predict_step_ms, wire_ms
+from ddp_lab.perf.step import Bucket
+
+ONE = [Bucket(1000, 1.0)]  # one bucket, ready at backward's end: nothing can hide
 
 
 def test_the_link_adds_bytes_over_its_speed():
     # 125 MB at 1 Gb/s = 1 s; no link adds nothing
     assert wire_ms(125e6, 1.0) == pytest.approx(1000.0, rel=1e-12)
     assert wire_ms(125e6, 0.0) == 0.0
-    assert predict_step_ms(200.0, 12.5e6, 10.0) == pytest.approx(210.0, rel=1e-12)
+    # one bucket ready at backward's end: its whole wire time, 12.5 MB at 10 Gb/s = 10 ms
+    at_end = Thread(200.0, 50.0, (1.0,), (5.0,))
+    assert predict_step_ms(at_end, [12.5e6], 10.0) == pytest.approx(210.0, rel=1e-12)
+    assert predict_step_ms(at_end, [12.5e6], 0.0) == 200.0
+
+
+def test_wire_time_hides_under_the_backward_left_when_its_bucket_is_ready():
+    """Backward 40 ms; bucket 0 ready at 10 ms (0.25) with 2 ms of host time, bucket 1 at 40 ms
+    with 3 ms. 12.5 MB of bucket 0 at 10 Gb/s (10 ms) ends at 10 + 2 + 10 = 22 ms, inside
+    backward: it adds 0; bucket 1's 1.25 MB (1 ms) comes after backward: it adds 1 ms. Without
+    the overlap (everything after backward) it would add 11 ms."""
+    early = Thread(100.0, 40.0, (0.25, 1.0), (2.0, 3.0))
+    assert predict_step_ms(early, [12.5e6, 0.0], 10.0) == pytest.approx(100.0, rel=1e-12)
+    assert predict_step_ms(early, [12.5e6, 1.25e6], 10.0) == pytest.approx(101.0, rel=1e-12)
+
+
+def test_wire_time_past_backward_delays_the_buckets_behind_it():
+    """Bucket 0 ready at 20 ms of 40 with 25 ms of wire (31.25 MB at 10 Gb/s) and 2 of host ends
+    at 47 ms; bucket 1 (ready at 40, 3 ms) then runs 47-50 instead of 40-43: the step loses
+    10 ms beyond backward instead of 3, 7 ms more. A compressor's time in a bucket queues the
+    same way (`compute_ms`): 5 ms more in bucket 0 ends it at 52, bucket 1 at 55: 12 ms more."""
+    half = Thread(100.0, 40.0, (0.5, 1.0), (2.0, 3.0))
+    assert predict_step_ms(half, [31.25e6, 0.0], 10.0) == pytest.approx(107.0, rel=1e-12)
+    assert predict_step_ms(half, [31.25e6, 0.0], 10.0, [5.0, 0.0]) == pytest.approx(
+        112.0, rel=1e-12)
 
 
 def test_compression_pays_below_the_breakeven_speed():
-    # 10 ms more compute to save 12.5 MB: the link saves 10 ms at 10 Gb/s exactly
-    g = breakeven_gbps(110.0, 0.0, 100.0, 12.5e6)
-    assert g == pytest.approx(10.0, rel=1e-12)
+    # 10 ms more compute to save 12.5 MB, one bucket at backward's end: the link saves 10 ms
+    # at 10 Gb/s exactly. The bisection halves 1 / gbps 100 times: rel 1e-9 is far from its
+    # 2^-100 and from the ~1e-16 rounding of the step times it compares.
+    arm = lambda g: predict_step_ms(Thread(110.0, 50.0, (1.0,), (0.0,)), [0.0], g)
+    fp32 = lambda g: predict_step_ms(Thread(100.0, 50.0, (1.0,), (0.0,)), [12.5e6], g)
+    g = breakeven_gbps(arm, fp32, 12.5e6)
+    assert g == pytest.approx(10.0, rel=1e-9)
     for gbps, pays in ((g / 2, True), (g * 2, False)):
-        assert (predict_step_ms(110.0, 0.0, gbps) < predict_step_ms(100.0, 12.5e6, gbps)) == pays
-    assert breakeven_gbps(90.0, 1.0, 100.0, 2.0) == math.inf  # faster even without a link
-    assert breakeven_gbps(90.0, 2.0, 100.0, 2.0) == 0.0  # saves no bytes
+        assert (arm(gbps) < fp32(gbps)) == pays
+    assert breakeven_gbps(lambda g: 90.0, fp32, 1.0) == math.inf  # faster even without a link
+    assert breakeven_gbps(arm, fp32, 0.0) == 0.0  # saves no bytes
+    assert math.isnan(breakeven_gbps(lambda g: math.nan, fp32, 1.0))  # (sync=ddp: no host time)
+    assert breakeven_gbps(lambda g: 110.0, lambda g: 100.0, 1.0) == 0.0  # no link slow enough
 
 
-def _run(arm, gbps, step_ms, seed=0, acc=0.8, nbytes=1000, elements=250, link_bytes=None):
+def test_the_breakeven_speed_counts_the_wire_that_hides():
+    """fp32 sends 12.5 MB in each of two buckets (100 / g ms each at g Gb/s), ready at 20 and
+    40 ms of backward, no host time; the arm sends nothing but takes 10 ms longer. fp32's link
+    adds max(0, w0 - 20) + w1: bucket 0's wire hides while w0 <= 20 (g >= 5), and w1 = 10 at
+    g = 10. The sum of both wires (the upper bound) would put it at 25 MB x 8 / 10 ms = 20."""
+    fp32 = Thread(100.0, 40.0, (0.5, 1.0), (0.0, 0.0))
+    arm = Thread(110.0, 40.0, (0.5, 1.0), (0.0, 0.0))
+    g = breakeven_gbps(lambda g: predict_step_ms(arm, [0.0, 0.0], g),
+                       lambda g: predict_step_ms(fp32, [12.5e6, 12.5e6], g), 25e6)
+    assert g == pytest.approx(10.0, rel=1e-9)
+
+
+def _run(arm, gbps, step_ms, seed=0, acc=0.8, nbytes=1000, elements=250, link_bytes=None,
+         **more):
     return {"phase": "accuracy" if gbps == 0 else "link", "nproc": 2, "arm": arm, "seed": seed,
             "gbps": gbps, "status": "ok", "val_accuracy": acc, "step_ms": step_ms,
             "bytes_per_step": nbytes,
             "link_bytes_per_step": nbytes if link_bytes is None else link_bytes,
             "elements_per_step": elements, "gradient_elements": 250, "compress_ms": 0.0,
-            "steps_to_target": 10}
+            "steps_to_target": 10, "backward_ms": 50.0, "comm_busy_ms": 5.0,
+            "bucket_bytes_sent": [nbytes], "bucket_compress_ms": [], **more}
 
 
 def test_arm_rows_compare_each_arm_with_fp32_at_its_link():
@@ -51,7 +98,7 @@ def test_arm_rows_compare_each_arm_with_fp32_at_its_link():
     runs += [_run("powersgd-r2", 0.0, 110.0, seed=s, acc=0.8, nbytes=10, elements=5)
              for s in range(3)]
     runs += [_run("fp32", 1.0, 110.0), _run("powersgd-r2", 1.0, 111.0, nbytes=10, elements=5)]
-    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg)}
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, ONE)}
     fp32, psgd = rows[0.0, "fp32"], rows[0.0, "powersgd-r2"]
     assert (fp32["step_ms"], fp32["step_ms_min"], fp32["step_ms_max"]) == (100.0, 98.0, 102.0)
     assert fp32["acc_mean"] == pytest.approx(0.8) and fp32["acc_sd"] == pytest.approx(0.1)
@@ -69,7 +116,7 @@ def test_the_prediction_prices_what_the_busiest_link_carries():
     # pricing rank 0's bytes would predict 100 + 0.008 ms instead of 100 + 0.016.
     cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32"])
     runs = [_run("fp32", 0.0, 100.0, link_bytes=2000), _run("fp32", 1.0, 100.0, link_bytes=2000)]
-    linked = {r["gbps"]: r for r in arm_rows(runs, cfg)}[1.0]
+    linked = {r["gbps"]: r for r in arm_rows(runs, cfg, ONE)}[1.0]
     assert linked["predicted_step_ms"] == pytest.approx(100.0 + 2000 * 8 / 1e9 * 1e3, rel=1e-12)
 
 
@@ -162,11 +209,14 @@ def test_tabulate_only_reads_what_a_cut_study_left_and_launches_nothing(tmp_path
     for (point, _), step_ms in zip(points[:2], (100.0, 120.0)):  # the accuracy run, link r0
         os.makedirs(point.run_dir)
         with open(os.path.join(point.run_dir, "summary.json"), "w") as f:
-            json.dump({"val_accuracy": 0.5, "time_ms": {"step": step_ms}, "comm": {},
-                       "comm_bytes_per_step": 12_500_000, "parameters": 1000}, f)
+            json.dump({"val_accuracy": 0.5, "comm_bytes_per_step": 12_500_000,
+                       "time_ms": {"step": step_ms, "backward": 40.0, "comm_busy": 5.0},
+                       "comm": {"bucket_bytes": [12_500_000]}, "parameters": 1000}, f)
         with open(os.path.join(point.run_dir, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 3, "val/accuracy": 0.5}) + "\n")
     monkeypatch.setattr(ddp_lab.scale.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    # one bucket at backward's end (sync_buckets' own test is below)
+    monkeypatch.setattr(compression, "sync_buckets", lambda cfg: [Bucket(12_500_000, 1.0)])
     rows = compression.run(cfg, str(tmp_path))
     with open(tmp_path / "runs.jsonl") as f:
         statuses = [json.loads(line)["status"] for line in f]
@@ -183,7 +233,7 @@ def test_the_compute_term_predicts_an_arm_from_fp32_and_its_compressor_alone():
     runs = [_run("fp32", 0.0, 100.0), _run("powersgd-r2", 0.0, 130.0, nbytes=10),
             _run("fp32", 1.0, 108.0), _run("powersgd-r2", 1.0, 126.0, nbytes=10)]
     alone = {(2, "fp32"): 0.0, (2, "powersgd-r2"): 25.0}
-    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, alone)}
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, ONE, alone)}
     assert rows[0.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(125.0)
     assert rows[0.0, "powersgd-r2"]["from_fp32_err_pct"] == pytest.approx(100 * (125 / 130 - 1))
     # 10 B over 1 Gb/s is 8e-5 ms; fp32's 1000 B 8e-3 ms
@@ -193,7 +243,58 @@ def test_the_compute_term_predicts_an_arm_from_fp32_and_its_compressor_alone():
     # 990 B saved x 8 over 25 ms more: 316.8 kb/s
     assert rows[0.0, "powersgd-r2"]["predicted_breakeven_gbps"] == pytest.approx(
         990 * 8 / 25e-3 / 1e9)
-    assert "predicted_from_fp32_ms" not in arm_rows(runs, cfg)[0]  # no calibration: no term
+    assert "predicted_from_fp32_ms" not in arm_rows(runs, cfg, ONE)[0]  # no calibration: no term
+
+
+def test_the_table_hides_an_early_buckets_wire_and_queues_the_compressor():
+    """Two buckets of 500 B, ready at 0.2 and 1.0 of a 50 ms backward. fp32's own runs: 5 ms
+    of host time (2.5 a bucket); at 1 Gb/s its 1000 link bytes (4e-3 ms a bucket) hide in
+    bucket 0 (done at 12.5 ms) and add 4e-3 ms in bucket 1. PowerSGD's runs without a link
+    (130 ms) sent 90 + 10 B and spent 20 + 4 ms compressing: its 100 B at 1 Gb/s (7.2e-4 and
+    8e-5 ms) add 8e-5 ms. From fp32 with its compressor alone (24 ms, 12 a bucket): bucket 0
+    ends at 10 + 2.5 + 12 + 7.2e-4 = 24.5007 ms, inside backward; bucket 1 adds its 12 ms and
+    8e-5 ms."""
+    two = [Bucket(500, 0.2), Bucket(500, 1.0)]
+    cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32", "powersgd-r2"])
+    fp32 = dict(bucket_bytes_sent=[500, 500])
+    psgd = dict(nbytes=100, bucket_bytes_sent=[90, 10], bucket_compress_ms=[20.0, 4.0])
+    runs = [_run("fp32", 0.0, 100.0, **fp32), _run("powersgd-r2", 0.0, 130.0, **psgd),
+            _run("fp32", 1.0, 101.0, **fp32), _run("powersgd-r2", 1.0, 131.0, **psgd)]
+    alone = {(2, "fp32"): 0.0, (2, "powersgd-r2"): 24.0}
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, two, alone)}
+    assert rows[1.0, "fp32"]["predicted_step_ms"] == pytest.approx(100.0 + 4e-3, abs=1e-9)
+    assert rows[1.0, "powersgd-r2"]["predicted_step_ms"] == pytest.approx(130.0 + 8e-5, abs=1e-9)
+    assert rows[1.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(
+        100.0 + 12.0 + 8e-5, abs=1e-9)
+    assert rows[0.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(112.0, abs=1e-9)
+
+
+def test_runs_cut_otherwise_than_the_models_buckets_are_refused():
+    cfg = SimpleNamespace(nproc=[2], gbps=[0.0], arms=["fp32"])
+    runs = [_run("fp32", 0.0, 100.0, bucket_bytes_sent=[500, 500])]
+    with pytest.raises(ValueError, match="fp32: its runs have 2 buckets, the model's profile "
+                                         "cuts 1"):
+        arm_rows(runs, cfg, ONE)
+
+
+def test_the_studys_buckets_are_the_ones_its_sync_cuts(monkeypatch):
+    """sync_buckets (the model's profile, by FLOPs) cuts the bytes bucket_shapes reads off the
+    built model (the sync's own buckets: test_the_buckets_timed_alone_are_the_syncs), the last
+    ready at backward's end; at the studies' 25 MiB the 512-wide model is one bucket."""
+    from omegaconf import OmegaConf
+
+    from ddp_lab.models import build_model
+    from ddp_lab.perf.compression import bucket_shapes
+
+    cfg = OmegaConf.structured(compression.CompressionConfig(arms=["fp32"]))
+    for bucket_mb, count in ((1.0, 11), (25.0, 1)):
+        monkeypatch.setattr(compression, "PASSED", ["model.fc_width=512",
+                                                    f"sync.bucket_mb={bucket_mb}"])
+        got = compression.sync_buckets(cfg)
+        model = build_model("alexnet_cifar", 10, 0.0, fc_width=512)
+        shapes = bucket_shapes(model, bucket_mb)
+        assert [b.nbytes for b in got] == [4 * sum(math.prod(s) for s in b) for b in shapes]
+        assert len(got) == count and got[-1].ready == pytest.approx(1.0, rel=1e-12)
 
 
 class _Clock:

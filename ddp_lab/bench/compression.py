@@ -24,13 +24,15 @@ elements handed to the collectives, summary.json's `comm.compression`, else ever
 element), the compressor's own host time per step.
 Per arm, nproc and link (arms.jsonl, the table: ddp_lab/bench/compression_table.py): accuracy
 over the seeds, bytes and elements, the step time, and the model's figures beside it. On a link,
-the step predicted from the arm's own runs without a link plus the bytes its busiest link
-carries (counted: summary.json's `link_bytes_per_step`) over the link; fitted on no linked
-point. The compression-compute term (ddp_lab/perf/compression.py): before any run each
+the step predicted from the arm's own runs without a link plus what the bytes its busiest link
+carries (counted: summary.json's `link_bytes_per_step`) add over the link on its communication
+thread, bucket by bucket (`sync_buckets`: when each is ready), beyond backward; fitted on no
+linked point. The compression-compute term (ddp_lab/perf/compression.py): before any run each
 compressor is timed alone in this process on the run's bucket shapes, with the runs' threads
 (`compress_alone.json`, `calibrate`), and every arm, linked or not, is predicted from fp32's
-step without a link plus that time plus its link bytes (`predicted_from_fp32_ms`), and its
-break-even link speed from the same (`predicted_breakeven_gbps`): no run of the arm is an input.
+runs without a link with that time and its link bytes on fp32's thread
+(`predicted_from_fp32_ms`), and its break-even link speed from the same
+(`predicted_breakeven_gbps`): no run of the arm is an input but its counted bytes.
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.common import entry, report, write_info
 from ddp_lab.bench.compression_table import COLUMNS, arm_rows, plot
+from ddp_lab.buckets import DDP_FIRST_BUCKET_MB
 from ddp_lab.config import ConfigError
+from ddp_lab.dtypes import element_size
 from ddp_lab.perf.compression import bucket_shapes, compress_alone_ms
+from ddp_lab.perf.compute import profile_model
+from ddp_lab.perf.step import Bucket, make_buckets
 
 # Every arm's sync.* overrides.
 ARMS = {
@@ -212,6 +218,11 @@ def run_row(point, what: dict, target: float) -> dict:
         "elements_per_step": compression.get("elements_per_step", s["parameters"]),
         "gradient_elements": s["parameters"],
         "compress_ms": compression.get("compress_ms", 0.0),
+        # the link term's inputs (sync=ddp: torch's reducer times no host time, counts no bucket)
+        "backward_ms": s["time_ms"].get("backward", math.nan),
+        "comm_busy_ms": s["time_ms"].get("comm_busy", math.nan),
+        "bucket_bytes_sent": compression.get("bucket_bytes_sent", s["comm"].get("bucket_bytes")),
+        "bucket_compress_ms": compression.get("bucket_compress_ms", []),
         "steps_to_target": reached[0] if reached else None, "curve": curve}
 
 
@@ -276,6 +287,18 @@ def calibrate(cfg, run_dir: str, threads: int) -> dict:
     return {(r["nproc"], r["arm"]): r["compress_alone_ms"] for r in rows}
 
 
+def sync_buckets(cfg) -> list[Bucket]:
+    """The runs' buckets (bytes, and the fraction of backward done when each is ready) as the
+    scaling model cuts the sync's (ddp_lab/perf/predict.py): the model's layers by their forward
+    FLOPs, our syncs' rule (DDP's for sync=ddp) at sync.bucket_mb."""
+    c = arm_config(cfg, "fp32")
+    profile = profile_model(c.model.name, c.model.image_size, c.data.num_classes,
+                            c.model.fc_width)
+    ddp = c.sync.name == "ddp"
+    return make_buckets(profile, c.sync.bucket_mb, element_size(c.sync.comm_dtype),
+                        DDP_FIRST_BUCKET_MB if ddp else None, "ddp" if ddp else "ours")
+
+
 def run(cfg, run_dir: str) -> list[dict]:
     from ddp_lab.scale.launch import launch, point_env
 
@@ -298,16 +321,17 @@ def run(cfg, run_dir: str) -> list[dict]:
     report(runs, run_dir, "runs", ["phase", "nproc", "arm", "seed", "gbps", "repeat", "status",
                                    "val_accuracy", "step_ms", "bytes_per_step",
                                    "elements_per_step", "steps_to_target"], title="every run")
-    rows = arm_rows(runs, cfg, alone_ms)
+    rows = arm_rows(runs, cfg, sync_buckets(cfg), alone_ms)
     report(rows, run_dir, "arms", COLUMNS, title="per arm (against fp32 at its nproc and link)",
            notes=[f"accuracy: mean and sd over {len(cfg.seeds)} seeds after {cfg.steps} steps; "
                   "step_ms: median (min, max) over the runs",
-                  "predicted = the arm's step without a link + its busiest link's bytes over it "
+                  "predicted = the arm's step without a link + what its busiest link's bytes "
+                  "over it add on its communication thread, bucket by bucket, beyond backward "
                   "(ddp_lab/perf/compression.py); fitted on no linked point",
                   "breakeven_gbps: below this link speed the arm's step is shorter than fp32's",
-                  "predicted_from_fp32 = fp32's step without a link + the arm's compressor timed "
-                  "alone (compress_alone_ms) + its link bytes over the link; no run of the arm "
-                  "is an input"])
+                  "predicted_from_fp32 = fp32's step without a link + what the arm's compressor "
+                  "timed alone (compress_alone_ms) and its link bytes over the link add on "
+                  "fp32's communication thread; no run of the arm is an input but its bytes"])
     if cfg.plot and rows:
         plot(rows, run_dir)
     write_info(run_dir, "compression", cfg, torch.device("cpu"),

@@ -2,7 +2,7 @@
 speed and arm, from every run's row (runs.jsonl): accuracy over the seeds, bytes and elements per
 step, the step time median (min-max) over the runs, steps and seconds to the target; beside it the
 model's figures (ddp_lab/perf/compression.py): the step on a link from the arm's own runs without
-one, and from fp32's step and the arm's compressor timed alone; the change against fp32; the link
+one, and from fp32's and the arm's compressor timed alone; the change against fp32; the link
 speed below which the arm pays. Also its two plots."""
 
 from __future__ import annotations
@@ -12,47 +12,76 @@ import os
 import statistics
 
 from ddp_lab.bench.common import plot_lines
-from ddp_lab.perf.compression import breakeven_gbps, predict_step_ms, wire_ms
+from ddp_lab.perf.compression import Thread, breakeven_gbps, predict_step_ms, split
+from ddp_lab.perf.step import Bucket
 
 
-def arm_rows(runs: list[dict], cfg, alone_ms: dict | None = None) -> list[dict]:
+def arm_rows(runs: list[dict], cfg, buckets: list[Bucket],
+             alone_ms: dict | None = None) -> list[dict]:
     """The table: one row per nproc, link speed and arm that has runs (see the module);
-    `alone_ms`: calibrate's, for the predictions from fp32."""
+    `buckets`: the runs' buckets (bytes, when ready), `alone_ms`: calibrate's, for the
+    predictions from fp32."""
     ok = [r for r in runs if r["status"] == "ok"]
     pick = lambda **k: [r for r in ok if all(r[a] == v for a, v in k.items())]
-    rows = []
+    rows, no_link = [], {}  # (nproc, arm) -> its thread and link bytes per bucket, without a link
     for n in cfg.nproc:
         for gbps in cfg.gbps:
             for arm in cfg.arms:
                 here, alone = pick(nproc=n, gbps=gbps, arm=arm), pick(nproc=n, gbps=0.0, arm=arm)
                 if here and alone:
-                    rows.append(_arm_row(n, gbps, arm, here, alone, cfg))
+                    no_link.setdefault((n, arm), _no_link(arm, alone, buckets))
+                    rows.append(_arm_row(n, gbps, arm, here, alone, no_link[n, arm]))
     for row in rows:  # against fp32 at the same nproc and link
         base = next((b for b in rows if (b["nproc"], b["gbps"], b["arm"]) ==
                      (row["nproc"], row["gbps"], "fp32")), None)
+        fp32 = no_link.get((row["nproc"], "fp32"))
         if base is not None:
-            _against(row, base)
-        fp32 = next((b for b in rows if (b["nproc"], b["gbps"], b["arm"]) ==
-                     (row["nproc"], 0.0, "fp32")), None)
+            _against(row, base, no_link[row["nproc"], row["arm"]], fp32)
         if fp32 is not None and (row["nproc"], row["arm"]) in (alone_ms or {}):
-            _from_fp32(row, fp32, alone_ms[row["nproc"], row["arm"]])
+            _from_fp32(row, fp32, no_link[row["nproc"], row["arm"]][1],
+                       alone_ms[row["nproc"], row["arm"]], buckets)
     return rows
 
 
-def _from_fp32(row: dict, fp32: dict, alone_ms: float) -> None:
-    """The compression-compute term's prediction of the row from fp32's step without a link
-    (`fp32`'s row) and the arm's compressor timed alone (ddp_lab/perf/compression.py)."""
-    base = fp32["step_ms"] + alone_ms
+def _no_link(arm: str, alone: list[dict], buckets: list[Bucket]) -> tuple[Thread, list[float]]:
+    """The arm's communication thread and the bytes each bucket puts on the busiest link, from
+    its runs without a link: the medians of its step, backward, host time in the collectives
+    (split over the buckets as the bytes each sends) and each bucket's compressor time."""
+    sent = alone[0].get("bucket_bytes_sent") or [b.nbytes for b in buckets]
+    compress = ([statistics.median(ms) for ms in zip(*(r["bucket_compress_ms"] for r in alone))]
+                or [0.0] * len(sent))  # (no compressor: none)
+    if not len(sent) == len(compress) == len(buckets):
+        raise ValueError(f"{arm}: its runs have {len(sent)} buckets, the model's profile cuts "
+                         f"{len(buckets)} ({[b.nbytes for b in buckets]} bytes): not the same "
+                         "model or sync.bucket_mb")
+    host = split(statistics.median(r["comm_busy_ms"] for r in alone), sent)
+    thread = Thread(_spread([r["step_ms"] for r in alone])[0],
+                    statistics.median(r["backward_ms"] for r in alone),
+                    tuple(b.ready for b in buckets),
+                    tuple(h + c for h, c in zip(host, compress)))
+    return thread, split(alone[0]["link_bytes_per_step"], sent)
+
+
+def _from_fp32(row: dict, fp32: tuple[Thread, list[float]], link_bytes: list[float],
+               alone_ms: float, buckets: list[Bucket]) -> None:
+    """The compression-compute term's prediction of the row from fp32's runs without a link
+    (its thread and link bytes per bucket), the arm's compressor timed alone (split over the
+    buckets as their gradient bytes) and the arm's link bytes per bucket
+    (ddp_lab/perf/compression.py)."""
+    thread, fp32_bytes = fp32
     row["compress_alone_ms"] = alone_ms
-    row["predicted_from_fp32_ms"] = base + wire_ms(row["link_bytes_per_step"], row["gbps"])
+    per_bucket = split(alone_ms, [b.nbytes for b in buckets])
+    row["predicted_from_fp32_ms"] = predict_step_ms(thread, link_bytes, row["gbps"], per_bucket)
     row["from_fp32_err_pct"] = 100 * (row["predicted_from_fp32_ms"] / row["step_ms"] - 1)
     if not row["gbps"]:
-        row["predicted_breakeven_gbps"] = breakeven_gbps(base, row["link_bytes_per_step"],
-                                                         fp32["step_ms"],
-                                                         fp32["link_bytes_per_step"])
+        row["predicted_breakeven_gbps"] = breakeven_gbps(
+            lambda g: predict_step_ms(thread, link_bytes, g, per_bucket),
+            lambda g: predict_step_ms(thread, fp32_bytes, g),
+            sum(fp32_bytes) - sum(link_bytes))
 
 
-def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict], cfg) -> dict:
+def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict],
+             no_link: tuple[Thread, list[float]]) -> dict:
     accuracy = [r["val_accuracy"] for r in alone if r["phase"] == "accuracy"]
     step, lo, hi = _spread([r["step_ms"] for r in here])
     reached = [r["steps_to_target"] for r in alone if r.get("steps_to_target") is not None]
@@ -70,14 +99,15 @@ def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict],
            "reached_target": f"{len(reached)}/{len(accuracy)}", "steps_to_target": steps_to,
            "time_to_target_s": steps_to * step / 1e3}
     if gbps:
-        row["predicted_step_ms"] = predict_step_ms(_spread([r["step_ms"] for r in alone])[0],
-                                                   row["link_bytes_per_step"], gbps)
+        row["predicted_step_ms"] = predict_step_ms(*no_link, gbps)
         row["predicted_err_pct"] = 100 * (row["predicted_step_ms"] / step - 1)
     return row
 
 
-def _against(row: dict, base: dict) -> None:
-    """The row's elements, accuracy and step time against fp32's at its nproc and link."""
+def _against(row: dict, base: dict, arm: tuple[Thread, list[float]],
+             fp32: tuple[Thread, list[float]]) -> None:
+    """The row's elements, accuracy and step time against fp32's at its nproc and link (`arm`,
+    `fp32`: their threads and link bytes per bucket without a link)."""
     row["x_fewer_elements"] = base["elements_per_step"] / row["elements_per_step"]
     row["acc_vs_fp32_pts"] = 100 * (row["acc_mean"] - base["acc_mean"])
     row["step_change_ms"] = row["step_ms"] - base["step_ms"]
@@ -86,8 +116,9 @@ def _against(row: dict, base: dict) -> None:
         row["change_err_pct"] = (100 * (row["predicted_change_ms"] / row["step_change_ms"] - 1)
                                  if row["step_change_ms"] else math.nan)
     else:
-        row["breakeven_gbps"] = breakeven_gbps(row["step_ms"], row["link_bytes_per_step"],
-                                               base["step_ms"], base["link_bytes_per_step"])
+        row["breakeven_gbps"] = breakeven_gbps(lambda g: predict_step_ms(*arm, g),
+                                               lambda g: predict_step_ms(*fp32, g),
+                                               sum(fp32[1]) - sum(arm[1]))
 
 
 def plot(rows: list[dict], run_dir: str) -> None:
