@@ -15,10 +15,16 @@ from ddp_lab.bench import compression
 from ddp_lab.bench.compression import ARMS, check
 from ddp_lab.bench.compression_table import arm_rows
 from ddp_lab.config import ConfigError
+from ddp_lab.dtypes import DTYPES
 from ddp_lab.perf.compression import Thread, breakeven_gbps, predict_step_ms, wire_ms
 from ddp_lab.perf.step import Bucket
 
 ONE = [Bucket(1000, 1.0)]  # one bucket, ready at backward's end: nothing can hide
+
+
+def each(buckets, cfg):
+    """arm_rows' buckets: the same for every arm of cfg."""
+    return dict.fromkeys(cfg.arms, buckets)
 
 
 def test_the_link_adds_bytes_over_its_speed():
@@ -98,7 +104,7 @@ def test_arm_rows_compare_each_arm_with_fp32_at_its_link():
     runs += [_run("powersgd-r2", 0.0, 110.0, seed=s, acc=0.8, nbytes=10, elements=5)
              for s in range(3)]
     runs += [_run("fp32", 1.0, 110.0), _run("powersgd-r2", 1.0, 111.0, nbytes=10, elements=5)]
-    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, ONE)}
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, each(ONE, cfg))}
     fp32, psgd = rows[0.0, "fp32"], rows[0.0, "powersgd-r2"]
     assert (fp32["step_ms"], fp32["step_ms_min"], fp32["step_ms_max"]) == (100.0, 98.0, 102.0)
     assert fp32["acc_mean"] == pytest.approx(0.8) and fp32["acc_sd"] == pytest.approx(0.1)
@@ -116,7 +122,7 @@ def test_the_prediction_prices_what_the_busiest_link_carries():
     # pricing rank 0's bytes would predict 100 + 0.008 ms instead of 100 + 0.016.
     cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32"])
     runs = [_run("fp32", 0.0, 100.0, link_bytes=2000), _run("fp32", 1.0, 100.0, link_bytes=2000)]
-    linked = {r["gbps"]: r for r in arm_rows(runs, cfg, ONE)}[1.0]
+    linked = {r["gbps"]: r for r in arm_rows(runs, cfg, each(ONE, cfg))}[1.0]
     assert linked["predicted_step_ms"] == pytest.approx(100.0 + 2000 * 8 / 1e9 * 1e3, rel=1e-12)
 
 
@@ -216,7 +222,7 @@ def test_tabulate_only_reads_what_a_cut_study_left_and_launches_nothing(tmp_path
             f.write(json.dumps({"step": 3, "val/accuracy": 0.5}) + "\n")
     monkeypatch.setattr(ddp_lab.scale.launch, "launch", lambda *a, **k: pytest.fail("launched"))
     # one bucket at backward's end (sync_buckets' own test is below)
-    monkeypatch.setattr(compression, "sync_buckets", lambda cfg: [Bucket(12_500_000, 1.0)])
+    monkeypatch.setattr(compression, "sync_buckets", lambda cfg, arm: [Bucket(12_500_000, 1.0)])
     rows = compression.run(cfg, str(tmp_path))
     with open(tmp_path / "runs.jsonl") as f:
         statuses = [json.loads(line)["status"] for line in f]
@@ -233,7 +239,7 @@ def test_the_compute_term_predicts_an_arm_from_fp32_and_its_compressor_alone():
     runs = [_run("fp32", 0.0, 100.0), _run("powersgd-r2", 0.0, 130.0, nbytes=10),
             _run("fp32", 1.0, 108.0), _run("powersgd-r2", 1.0, 126.0, nbytes=10)]
     alone = {(2, "fp32"): 0.0, (2, "powersgd-r2"): 25.0}
-    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, ONE, alone)}
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, each(ONE, cfg), alone)}
     assert rows[0.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(125.0)
     assert rows[0.0, "powersgd-r2"]["from_fp32_err_pct"] == pytest.approx(100 * (125 / 130 - 1))
     # 10 B over 1 Gb/s is 8e-5 ms; fp32's 1000 B 8e-3 ms
@@ -243,7 +249,7 @@ def test_the_compute_term_predicts_an_arm_from_fp32_and_its_compressor_alone():
     # 990 B saved x 8 over 25 ms more: 316.8 kb/s
     assert rows[0.0, "powersgd-r2"]["predicted_breakeven_gbps"] == pytest.approx(
         990 * 8 / 25e-3 / 1e9)
-    assert "predicted_from_fp32_ms" not in arm_rows(runs, cfg, ONE)[0]  # no calibration: no term
+    assert "predicted_from_fp32_ms" not in arm_rows(runs, cfg, each(ONE, cfg))[0]  # no calibration: no term
 
 
 def test_the_table_hides_an_early_buckets_wire_and_queues_the_compressor():
@@ -261,7 +267,7 @@ def test_the_table_hides_an_early_buckets_wire_and_queues_the_compressor():
     runs = [_run("fp32", 0.0, 100.0, **fp32), _run("powersgd-r2", 0.0, 130.0, **psgd),
             _run("fp32", 1.0, 101.0, **fp32), _run("powersgd-r2", 1.0, 131.0, **psgd)]
     alone = {(2, "fp32"): 0.0, (2, "powersgd-r2"): 24.0}
-    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, two, alone)}
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, each(two, cfg), alone)}
     assert rows[1.0, "fp32"]["predicted_step_ms"] == pytest.approx(100.0 + 4e-3, abs=1e-9)
     assert rows[1.0, "powersgd-r2"]["predicted_step_ms"] == pytest.approx(130.0 + 8e-5, abs=1e-9)
     assert rows[1.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(
@@ -269,12 +275,40 @@ def test_the_table_hides_an_early_buckets_wire_and_queues_the_compressor():
     assert rows[0.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(112.0, abs=1e-9)
 
 
+def test_an_arm_cut_in_fewer_buckets_is_predicted_from_fp32_on_its_own():
+    """bf16 travels in 2 bytes: one bucket of 500 B where fp32 (5 ms of host time) has two, the
+    first ready at 0.2 of backward. From fp32, bf16's step is fp32's thread on bf16's one bucket
+    at backward's end: fp32's 5 ms of host time in it, the 500 link bytes at 1 Gb/s (4e-3 ms)
+    all added: 100 + 4e-3 ms. On fp32's two buckets half would hide (100 + 2e-3)."""
+    cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32", "bf16"])
+    fp32 = dict(bucket_bytes_sent=[500, 500])
+    runs = [_run("fp32", 0.0, 100.0, **fp32), _run("bf16", 0.0, 101.0, nbytes=500),
+            _run("fp32", 1.0, 101.0, **fp32), _run("bf16", 1.0, 102.0, nbytes=500)]
+    buckets = {"fp32": [Bucket(500, 0.2), Bucket(500, 1.0)], "bf16": [Bucket(500, 1.0)]}
+    alone = {(2, "fp32"): 0.0, (2, "bf16"): 0.0}
+    rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, buckets, alone)}
+    assert rows[1.0, "bf16"]["predicted_from_fp32_ms"] == pytest.approx(100.0 + 4e-3, abs=1e-9)
+
+
+def test_ddps_untimed_buckets_are_all_taken_at_backwards_end():
+    """sync=ddp records no host time in its collectives (nan): nothing is taken to hide, so
+    the link adds its whole wire time, though the buckets' own ready times say otherwise:
+    1000 B over 1 Gb/s, 8e-3 ms (half of it would hide under backward at 0.2)."""
+    cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32"])
+    ddp = dict(comm_busy_ms=math.nan, bucket_bytes_sent=[500, 500])
+    runs = [_run("fp32", 0.0, 100.0, **ddp), _run("fp32", 1.0, 101.0, **ddp)]
+    two = [Bucket(500, 0.2), Bucket(500, 1.0)]
+    linked = {r["gbps"]: r for r in arm_rows(runs, cfg, each(two, cfg), {(2, "fp32"): 0.0})}
+    assert linked[1.0]["predicted_step_ms"] == pytest.approx(100.0 + 8e-3, abs=1e-9)
+    assert linked[1.0]["predicted_from_fp32_ms"] == pytest.approx(100.0 + 8e-3, abs=1e-9)
+
+
 def test_runs_cut_otherwise_than_the_models_buckets_are_refused():
     cfg = SimpleNamespace(nproc=[2], gbps=[0.0], arms=["fp32"])
     runs = [_run("fp32", 0.0, 100.0, bucket_bytes_sent=[500, 500])]
     with pytest.raises(ValueError, match="fp32: its runs have 2 buckets, the model's profile "
                                          "cuts 1"):
-        arm_rows(runs, cfg, ONE)
+        arm_rows(runs, cfg, each(ONE, cfg))
 
 
 def test_the_studys_buckets_are_the_ones_its_sync_cuts(monkeypatch):
@@ -286,14 +320,16 @@ def test_the_studys_buckets_are_the_ones_its_sync_cuts(monkeypatch):
     from ddp_lab.models import build_model
     from ddp_lab.perf.compression import bucket_shapes
 
-    cfg = OmegaConf.structured(compression.CompressionConfig(arms=["fp32"]))
-    for bucket_mb, count in ((1.0, 11), (25.0, 1)):
+    cfg = OmegaConf.structured(compression.CompressionConfig(arms=["fp32", "bf16"]))
+    model = build_model("alexnet_cifar", 10, 0.0, fc_width=512)
+    # bf16's buckets are cut in the 2 bytes an element travels in: 9 at 1 MiB (a study's crash)
+    for arm, size, bucket_mb, count in (("fp32", 4, 1.0, 11), ("fp32", 4, 25.0, 1),
+                                        ("bf16", 2, 1.0, 9)):
         monkeypatch.setattr(compression, "PASSED", ["model.fc_width=512",
                                                     f"sync.bucket_mb={bucket_mb}"])
-        got = compression.sync_buckets(cfg)
-        model = build_model("alexnet_cifar", 10, 0.0, fc_width=512)
-        shapes = bucket_shapes(model, bucket_mb)
-        assert [b.nbytes for b in got] == [4 * sum(math.prod(s) for s in b) for b in shapes]
+        got = compression.sync_buckets(cfg, arm)
+        shapes = bucket_shapes(model.to(DTYPES[arm]), bucket_mb)
+        assert [b.nbytes for b in got] == [size * sum(math.prod(s) for s in b) for b in shapes]
         assert len(got) == count and got[-1].ready == pytest.approx(1.0, rel=1e-12)
 
 

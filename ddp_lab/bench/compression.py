@@ -55,6 +55,7 @@ from ddp_lab.dtypes import element_size
 from ddp_lab.perf.compression import bucket_shapes, compress_alone_ms
 from ddp_lab.perf.compute import profile_model
 from ddp_lab.perf.step import Bucket, make_buckets
+from ddp_lab.sync.config import wire_dtype
 
 # Every arm's sync.* overrides.
 ARMS = {
@@ -287,15 +288,15 @@ def calibrate(cfg, run_dir: str, threads: int) -> dict:
     return {(r["nproc"], r["arm"]): r["compress_alone_ms"] for r in rows}
 
 
-def sync_buckets(cfg) -> list[Bucket]:
-    """The runs' buckets (bytes, and the fraction of backward done when each is ready) as the
+def sync_buckets(cfg, arm: str) -> list[Bucket]:
+    """The arm's buckets (bytes, and the fraction of backward done when each is ready) as the
     scaling model cuts the sync's (ddp_lab/perf/predict.py): the model's layers by their forward
-    FLOPs, our syncs' rule (DDP's for sync=ddp) at sync.bucket_mb."""
-    c = arm_config(cfg, "fp32")
+    FLOPs, our syncs' rule (DDP's for sync=ddp) at sync.bucket_mb, in the dtype they travel in."""
+    c = arm_config(cfg, arm)
     profile = profile_model(c.model.name, c.model.image_size, c.data.num_classes,
                             c.model.fc_width)
     ddp = c.sync.name == "ddp"
-    return make_buckets(profile, c.sync.bucket_mb, element_size(c.sync.comm_dtype),
+    return make_buckets(profile, c.sync.bucket_mb, element_size(wire_dtype(c.sync)),
                         DDP_FIRST_BUCKET_MB if ddp else None, "ddp" if ddp else "ours")
 
 
@@ -321,7 +322,7 @@ def run(cfg, run_dir: str) -> list[dict]:
     report(runs, run_dir, "runs", ["phase", "nproc", "arm", "seed", "gbps", "repeat", "status",
                                    "val_accuracy", "step_ms", "bytes_per_step",
                                    "elements_per_step", "steps_to_target"], title="every run")
-    rows = arm_rows(runs, cfg, sync_buckets(cfg), alone_ms)
+    rows = arm_rows(runs, cfg, {arm: sync_buckets(cfg, arm) for arm in cfg.arms}, alone_ms)
     report(rows, run_dir, "arms", COLUMNS, title="per arm (against fp32 at its nproc and link)",
            notes=[f"accuracy: mean and sd over {len(cfg.seeds)} seeds after {cfg.steps} steps; "
                   "step_ms: median (min, max) over the runs",

@@ -16,11 +16,11 @@ from ddp_lab.perf.compression import Thread, breakeven_gbps, predict_step_ms, sp
 from ddp_lab.perf.step import Bucket
 
 
-def arm_rows(runs: list[dict], cfg, buckets: list[Bucket],
+def arm_rows(runs: list[dict], cfg, buckets: dict[str, list[Bucket]],
              alone_ms: dict | None = None) -> list[dict]:
     """The table: one row per nproc, link speed and arm that has runs (see the module);
-    `buckets`: the runs' buckets (bytes, when ready), `alone_ms`: calibrate's, for the
-    predictions from fp32."""
+    `buckets`: each arm's buckets (bytes, when ready; cut in the dtype they travel in),
+    `alone_ms`: calibrate's, for the predictions from fp32."""
     ok = [r for r in runs if r["status"] == "ok"]
     pick = lambda **k: [r for r in ok if all(r[a] == v for a, v in k.items())]
     rows, no_link = [], {}  # (nproc, arm) -> its thread and link bytes per bucket, without a link
@@ -29,7 +29,7 @@ def arm_rows(runs: list[dict], cfg, buckets: list[Bucket],
             for arm in cfg.arms:
                 here, alone = pick(nproc=n, gbps=gbps, arm=arm), pick(nproc=n, gbps=0.0, arm=arm)
                 if here and alone:
-                    no_link.setdefault((n, arm), _no_link(arm, alone, buckets))
+                    no_link.setdefault((n, arm), _no_link(arm, alone, buckets[arm]))
                     rows.append(_arm_row(n, gbps, arm, here, alone, no_link[n, arm]))
     for row in rows:  # against fp32 at the same nproc and link
         base = next((b for b in rows if (b["nproc"], b["gbps"], b["arm"]) ==
@@ -39,7 +39,7 @@ def arm_rows(runs: list[dict], cfg, buckets: list[Bucket],
             _against(row, base, no_link[row["nproc"], row["arm"]], fp32)
         if fp32 is not None and (row["nproc"], row["arm"]) in (alone_ms or {}):
             _from_fp32(row, fp32, no_link[row["nproc"], row["arm"]][1],
-                       alone_ms[row["nproc"], row["arm"]], buckets)
+                       alone_ms[row["nproc"], row["arm"]], buckets[row["arm"]])
     return rows
 
 
@@ -54,10 +54,13 @@ def _no_link(arm: str, alone: list[dict], buckets: list[Bucket]) -> tuple[Thread
         raise ValueError(f"{arm}: its runs have {len(sent)} buckets, the model's profile cuts "
                          f"{len(buckets)} ({[b.nbytes for b in buckets]} bytes): not the same "
                          "model or sync.bucket_mb")
-    host = split(statistics.median(r["comm_busy_ms"] for r in alone), sent)
+    busy = statistics.median(r["comm_busy_ms"] for r in alone)
+    # sync=ddp: torch's reducer times nothing per bucket, so nothing is taken to hide (each
+    # bucket ready at backward's end): the link adds its whole wire time, an upper bound
+    ready = [1.0] * len(buckets) if math.isnan(busy) else [b.ready for b in buckets]
+    host = split(0.0 if math.isnan(busy) else busy, sent)
     thread = Thread(_spread([r["step_ms"] for r in alone])[0],
-                    statistics.median(r["backward_ms"] for r in alone),
-                    tuple(b.ready for b in buckets),
+                    statistics.median(r["backward_ms"] for r in alone), tuple(ready),
                     tuple(h + c for h, c in zip(host, compress)))
     return thread, split(alone[0]["link_bytes_per_step"], sent)
 
@@ -65,18 +68,23 @@ def _no_link(arm: str, alone: list[dict], buckets: list[Bucket]) -> tuple[Thread
 def _from_fp32(row: dict, fp32: tuple[Thread, list[float]], link_bytes: list[float],
                alone_ms: float, buckets: list[Bucket]) -> None:
     """The compression-compute term's prediction of the row from fp32's runs without a link
-    (its thread and link bytes per bucket), the arm's compressor timed alone (split over the
-    buckets as their gradient bytes) and the arm's link bytes per bucket
-    (ddp_lab/perf/compression.py)."""
-    thread, fp32_bytes = fp32
+    (its thread and link bytes per bucket), put on the arm's `buckets` (bf16 and fp16 cut fewer):
+    fp32's host time and the arm's compressor timed alone split over them as their gradient
+    bytes, and the arm's link bytes per bucket (ddp_lab/perf/compression.py)."""
+    base, fp32_bytes = fp32
     row["compress_alone_ms"] = alone_ms
-    per_bucket = split(alone_ms, [b.nbytes for b in buckets])
+    weights = [b.nbytes for b in buckets]
+    # fp32's buckets all at backward's end (one bucket, or sync=ddp's untimed): so are the arm's
+    at_end = all(r == 1.0 for r in base.ready)
+    ready = (1.0,) * len(buckets) if at_end else tuple(b.ready for b in buckets)
+    thread = Thread(base.step_ms, base.backward_ms, ready, tuple(split(sum(base.busy_ms), weights)))
+    per_bucket = split(alone_ms, weights)
     row["predicted_from_fp32_ms"] = predict_step_ms(thread, link_bytes, row["gbps"], per_bucket)
     row["from_fp32_err_pct"] = 100 * (row["predicted_from_fp32_ms"] / row["step_ms"] - 1)
     if not row["gbps"]:
         row["predicted_breakeven_gbps"] = breakeven_gbps(
             lambda g: predict_step_ms(thread, link_bytes, g, per_bucket),
-            lambda g: predict_step_ms(thread, fp32_bytes, g),
+            lambda g: predict_step_ms(base, fp32_bytes, g),
             sum(fp32_bytes) - sum(link_bytes))
 
 
