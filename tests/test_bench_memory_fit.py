@@ -2,11 +2,13 @@
 raw parameter count, a torchvision name, predicted memory without a GPU, clear errors."""
 
 import json
+import re
 
 import pytest
 import torch
 
 from ddp_lab.bench.memory_fit import fit_rows
+from ddp_lab.config import ConfigError
 from background import background
 from helpers import bench_rows, check
 from launchers import ranks
@@ -181,7 +183,7 @@ def test_zero_stages_per_gpu_and_gpus_needed():
 
 def test_measure_overrides_reach_every_measured_run():
     """measure_overrides come last in each measure_zero run's config, so they win over the
-    benchmark's own settings: cuDNN's autotuner off (on by default), and a batch override."""
+    benchmark's own settings: cuDNN's autotuner off (on by default), fewer log lines."""
     from ddp_lab.bench.zero_peak import zero_train_config
     from ddp_lab.cli import compose
 
@@ -189,8 +191,21 @@ def test_measure_overrides_reach_every_measured_run():
     plain = compose(["measure_model=alexnet_cifar", "measure_batch=32"], "bench/memory_fit")
     assert zero_train_config(plain, 3, "fp32", cpu).train.cudnn_benchmark is True
     cfg = compose(["measure_model=alexnet_cifar", "measure_batch=32",
-                   'measure_overrides=["train.cudnn_benchmark=false","train.batch_size=8"]'],
+                   'measure_overrides=["train.cudnn_benchmark=false","train.log_every=1"]'],
                   "bench/memory_fit")
     run = zero_train_config(cfg, 3, "fp32", cpu)
-    assert run.train.cudnn_benchmark is False and run.train.batch_size == 8
-    assert run.sync.zero == 3 and run.sync.name == "ring"
+    assert run.train.cudnn_benchmark is False and run.train.log_every == 1
+    assert run.train.batch_size == 32 and run.sync.zero == 3 and run.sync.name == "ring"
+
+
+@pytest.mark.parametrize("override", ["train.batch_size=8", "model.fc_width=512",
+                                      "+sync.zero=1", "optim=sgd", "precision=fp16"])
+def test_measure_overrides_cannot_change_what_the_prediction_reads(override):
+    """The predicted peak is made from measure_batch, measure_model, ... (zero_peak.py): an
+    override of those would train one run and predict another. One line, before any run."""
+    from ddp_lab.bench.memory_fit import image_shape
+    from ddp_lab.cli import compose
+
+    cfg = compose([f'measure_overrides=["{override}"]'], "bench/memory_fit")
+    with pytest.raises(ConfigError, match=f"measure_overrides: '{re.escape(override)}' sets"):
+        image_shape(cfg)

@@ -165,6 +165,11 @@ def seed_rows(cfg) -> tuple[list[dict], list[str]]:
     return rows, notes
 
 
+# training keys a measure_zero run's prediction is made from (ddp_lab/bench/zero_peak.py)
+MEASURE_OWNED = ("model", "precision", "sync", "optim", "data", "train.batch_size",
+                 "train.max_steps", "train.channels_last")
+
+
 def image_shape(cfg) -> tuple[int, int]:
     """(image size, classes) of cfg.measure_model, after checking the measure_* keys."""
     from ddp_lab.perf.compute import MODEL_DEFAULTS
@@ -178,6 +183,12 @@ def image_shape(cfg) -> tuple[int, int]:
     if bad:
         raise ConfigError(f"measure_precisions: {bad[0]!r} is not one of "
                           f"{', '.join(mem.PRECISION_SCHEME)}")
+    # the prediction reads these from the measure_* keys: an override would train another run
+    owned = [o for o in cfg.measure_overrides if o.split("=")[0].lstrip("+~").startswith(
+        MEASURE_OWNED)]
+    if owned:
+        raise ConfigError(f"measure_overrides: {owned[0]!r} sets what the measure_* keys (and "
+                          "the runs' sync=ring, AdamW, synthetic data) decide; set those instead")
     return MODEL_DEFAULTS[cfg.measure_model]
 
 
