@@ -24,6 +24,11 @@ MiB = 1 << 20
 RULES = ("ours", "ddp")
 
 
+def sync_rule(ddp: bool) -> tuple[str, float | None]:
+    """(rule, first bucket MiB) of a sync's buckets: torch DDP's for sync=ddp, ours otherwise."""
+    return ("ddp", DDP_FIRST_BUCKET_MB) if ddp else ("ours", None)
+
+
 def plan(sizes: Sequence[int], bucket_mb: float, rule: str = "ours",
          first_bucket_mb: float | None = None, keys: Sequence | None = None) -> list[range]:
     """The buckets of gradients of `sizes` bytes each (backward order) as consecutive index

@@ -249,27 +249,30 @@ def test_the_compute_term_predicts_an_arm_from_fp32_and_its_compressor_alone():
     # 990 B saved x 8 over 25 ms more: 316.8 kb/s
     assert rows[0.0, "powersgd-r2"]["predicted_breakeven_gbps"] == pytest.approx(
         990 * 8 / 25e-3 / 1e9)
-    assert "predicted_from_fp32_ms" not in arm_rows(runs, cfg, each(ONE, cfg))[0]  # no calibration: no term
+    # no calibration: no term
+    assert "predicted_from_fp32_ms" not in arm_rows(runs, cfg, each(ONE, cfg))[0]
 
 
 def test_the_table_hides_an_early_buckets_wire_and_queues_the_compressor():
     """Two buckets of 500 B, ready at 0.2 and 1.0 of a 50 ms backward. fp32's own runs: 5 ms
     of host time (2.5 a bucket); at 1 Gb/s its 1000 link bytes (4e-3 ms a bucket) hide in
     bucket 0 (done at 12.5 ms) and add 4e-3 ms in bucket 1. PowerSGD's runs without a link
-    (130 ms) sent 90 + 10 B and spent 20 + 4 ms compressing: its 100 B at 1 Gb/s (7.2e-4 and
-    8e-5 ms) add 8e-5 ms. From fp32 with its compressor alone (24 ms, 12 a bucket): bucket 0
-    ends at 10 + 2.5 + 12 + 7.2e-4 = 24.5007 ms, inside backward; bucket 1 adds its 12 ms and
-    8e-5 ms."""
+    (130 ms) sent 90 + 10 B (its 5 ms of host time split 4.5 + 0.5 as those bytes) and spent
+    36 + 4 ms compressing: bucket 0 ends at 10 + 4.5 + 36 = 50.5 ms, past backward, so its
+    100 B at 1 Gb/s (7.2e-4 and 8e-5 ms) add 8e-4 ms. (Without the compressor's time, or with
+    the host time split evenly, bucket 0 would end inside backward: 8e-5 ms.) From fp32 with
+    its compressor alone (24 ms, 12 a bucket): bucket 0 ends at 10 + 2.5 + 12 + 7.2e-4 =
+    24.5007 ms, inside backward; bucket 1 adds its 12 ms and 8e-5 ms."""
     two = [Bucket(500, 0.2), Bucket(500, 1.0)]
     cfg = SimpleNamespace(nproc=[2], gbps=[0.0, 1.0], arms=["fp32", "powersgd-r2"])
     fp32 = dict(bucket_bytes_sent=[500, 500])
-    psgd = dict(nbytes=100, bucket_bytes_sent=[90, 10], bucket_compress_ms=[20.0, 4.0])
+    psgd = dict(nbytes=100, bucket_bytes_sent=[90, 10], bucket_compress_ms=[36.0, 4.0])
     runs = [_run("fp32", 0.0, 100.0, **fp32), _run("powersgd-r2", 0.0, 130.0, **psgd),
             _run("fp32", 1.0, 101.0, **fp32), _run("powersgd-r2", 1.0, 131.0, **psgd)]
     alone = {(2, "fp32"): 0.0, (2, "powersgd-r2"): 24.0}
     rows = {(r["gbps"], r["arm"]): r for r in arm_rows(runs, cfg, each(two, cfg), alone)}
     assert rows[1.0, "fp32"]["predicted_step_ms"] == pytest.approx(100.0 + 4e-3, abs=1e-9)
-    assert rows[1.0, "powersgd-r2"]["predicted_step_ms"] == pytest.approx(130.0 + 8e-5, abs=1e-9)
+    assert rows[1.0, "powersgd-r2"]["predicted_step_ms"] == pytest.approx(130.0 + 8e-4, abs=1e-9)
     assert rows[1.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(
         100.0 + 12.0 + 8e-5, abs=1e-9)
     assert rows[0.0, "powersgd-r2"]["predicted_from_fp32_ms"] == pytest.approx(112.0, abs=1e-9)
@@ -306,8 +309,8 @@ def test_ddps_untimed_buckets_are_all_taken_at_backwards_end():
 def test_runs_cut_otherwise_than_the_models_buckets_are_refused():
     cfg = SimpleNamespace(nproc=[2], gbps=[0.0], arms=["fp32"])
     runs = [_run("fp32", 0.0, 100.0, bucket_bytes_sent=[500, 500])]
-    with pytest.raises(ValueError, match="fp32: its runs have 2 buckets, the model's profile "
-                                         "cuts 1"):
+    with pytest.raises(ConfigError, match="fp32: its runs were cut in other buckets than the 1 "
+                                          "this command's model and sync.bucket_mb make"):
         arm_rows(runs, cfg, each(ONE, cfg))
 
 

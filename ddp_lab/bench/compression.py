@@ -49,7 +49,7 @@ from hydra.core.config_store import ConfigStore
 
 from ddp_lab.bench.common import entry, report, write_info
 from ddp_lab.bench.compression_table import COLUMNS, arm_rows, plot
-from ddp_lab.buckets import DDP_FIRST_BUCKET_MB
+from ddp_lab.buckets import sync_rule
 from ddp_lab.config import ConfigError
 from ddp_lab.dtypes import element_size
 from ddp_lab.perf.compression import bucket_shapes, compress_alone_ms
@@ -295,9 +295,8 @@ def sync_buckets(cfg, arm: str) -> list[Bucket]:
     c = arm_config(cfg, arm)
     profile = profile_model(c.model.name, c.model.image_size, c.data.num_classes,
                             c.model.fc_width)
-    ddp = c.sync.name == "ddp"
-    return make_buckets(profile, c.sync.bucket_mb, element_size(wire_dtype(c.sync)),
-                        DDP_FIRST_BUCKET_MB if ddp else None, "ddp" if ddp else "ours")
+    rule, first_mb = sync_rule(c.sync.name == "ddp")
+    return make_buckets(profile, c.sync.bucket_mb, element_size(wire_dtype(c.sync)), first_mb, rule)
 
 
 def run(cfg, run_dir: str) -> list[dict]:

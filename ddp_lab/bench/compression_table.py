@@ -2,7 +2,7 @@
 speed and arm, from every run's row (runs.jsonl): accuracy over the seeds, bytes and elements per
 step, the step time median (min-max) over the runs, steps and seconds to the target; beside it the
 model's figures (ddp_lab/perf/compression.py): the step on a link from the arm's own runs without
-one, and from fp32's and the arm's compressor timed alone; the change against fp32; the link
+one, and from fp32's runs and the arm's compressor timed alone; the change against fp32; the link
 speed below which the arm pays. Also its two plots."""
 
 from __future__ import annotations
@@ -10,10 +10,19 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from typing import NamedTuple
 
 from ddp_lab.bench.common import plot_lines
+from ddp_lab.config import ConfigError
 from ddp_lab.perf.compression import Thread, breakeven_gbps, predict_step_ms, split
 from ddp_lab.perf.step import Bucket
+
+
+class NoLink(NamedTuple):
+    """An arm as its runs without a link measured it: its communication thread, and the bytes
+    each of its buckets puts on the busiest link."""
+    thread: Thread
+    link_bytes: list[float]
 
 
 def arm_rows(runs: list[dict], cfg, buckets: dict[str, list[Bucket]],
@@ -23,37 +32,40 @@ def arm_rows(runs: list[dict], cfg, buckets: dict[str, list[Bucket]],
     `alone_ms`: calibrate's, for the predictions from fp32."""
     ok = [r for r in runs if r["status"] == "ok"]
     pick = lambda **k: [r for r in ok if all(r[a] == v for a, v in k.items())]
-    rows, no_link = [], {}  # (nproc, arm) -> its thread and link bytes per bucket, without a link
+    rows, no_link = [], {}  # (nproc, arm) -> NoLink
     for n in cfg.nproc:
         for gbps in cfg.gbps:
             for arm in cfg.arms:
                 here, alone = pick(nproc=n, gbps=gbps, arm=arm), pick(nproc=n, gbps=0.0, arm=arm)
                 if here and alone:
-                    no_link.setdefault((n, arm), _no_link(arm, alone, buckets[arm]))
+                    if (n, arm) not in no_link:
+                        no_link[n, arm] = _measured_thread(arm, alone, buckets[arm])
                     rows.append(_arm_row(n, gbps, arm, here, alone, no_link[n, arm]))
     for row in rows:  # against fp32 at the same nproc and link
         base = next((b for b in rows if (b["nproc"], b["gbps"], b["arm"]) ==
                      (row["nproc"], row["gbps"], "fp32")), None)
-        fp32 = no_link.get((row["nproc"], "fp32"))
+        fp32, arm = no_link.get((row["nproc"], "fp32")), no_link[row["nproc"], row["arm"]]
         if base is not None:
-            _against(row, base, no_link[row["nproc"], row["arm"]], fp32)
+            _against(row, base, arm, fp32)
         if fp32 is not None and (row["nproc"], row["arm"]) in (alone_ms or {}):
-            _from_fp32(row, fp32, no_link[row["nproc"], row["arm"]][1],
-                       alone_ms[row["nproc"], row["arm"]], buckets[row["arm"]])
+            _from_fp32(row, fp32, arm.link_bytes, alone_ms[row["nproc"], row["arm"]],
+                       buckets[row["arm"]])
     return rows
 
 
-def _no_link(arm: str, alone: list[dict], buckets: list[Bucket]) -> tuple[Thread, list[float]]:
-    """The arm's communication thread and the bytes each bucket puts on the busiest link, from
-    its runs without a link: the medians of its step, backward, host time in the collectives
-    (split over the buckets as the bytes each sends) and each bucket's compressor time."""
+def _measured_thread(arm: str, alone: list[dict], buckets: list[Bucket]) -> NoLink:
+    """The arm's NoLink from its runs without a link: the medians of its step, backward, host
+    time in the collectives (split over the buckets as the bytes each sends) and each bucket's
+    compressor time."""
     sent = alone[0].get("bucket_bytes_sent") or [b.nbytes for b in buckets]
+    timed = {len(r["bucket_compress_ms"]) for r in alone}
+    if {len(r.get("bucket_bytes_sent") or sent) for r in alone} | (timed - {0}) != {len(buckets)}:
+        raise ConfigError(
+            f"{arm}: its runs were cut in other buckets than the {len(buckets)} this command's "
+            f"model and sync.bucket_mb make: give the study's training overrides again "
+            f"(compression_info.json's training_overrides, e.g. sync.bucket_mb)")
     compress = ([statistics.median(ms) for ms in zip(*(r["bucket_compress_ms"] for r in alone))]
                 or [0.0] * len(sent))  # (no compressor: none)
-    if not len(sent) == len(compress) == len(buckets):
-        raise ValueError(f"{arm}: its runs have {len(sent)} buckets, the model's profile cuts "
-                         f"{len(buckets)} ({[b.nbytes for b in buckets]} bytes): not the same "
-                         "model or sync.bucket_mb")
     busy = statistics.median(r["comm_busy_ms"] for r in alone)
     # sync=ddp: torch's reducer times nothing per bucket, so nothing is taken to hide (each
     # bucket ready at backward's end): the link adds its whole wire time, an upper bound
@@ -62,34 +74,39 @@ def _no_link(arm: str, alone: list[dict], buckets: list[Bucket]) -> tuple[Thread
     thread = Thread(_spread([r["step_ms"] for r in alone])[0],
                     statistics.median(r["backward_ms"] for r in alone), tuple(ready),
                     tuple(h + c for h, c in zip(host, compress)))
-    return thread, split(alone[0]["link_bytes_per_step"], sent)
+    return NoLink(thread, split(alone[0]["link_bytes_per_step"], sent))
 
 
-def _from_fp32(row: dict, fp32: tuple[Thread, list[float]], link_bytes: list[float],
-               alone_ms: float, buckets: list[Bucket]) -> None:
-    """The compression-compute term's prediction of the row from fp32's runs without a link
-    (its thread and link bytes per bucket), put on the arm's `buckets` (bf16 and fp16 cut fewer):
-    fp32's host time and the arm's compressor timed alone split over them as their gradient
-    bytes, and the arm's link bytes per bucket (ddp_lab/perf/compression.py)."""
-    base, fp32_bytes = fp32
+def _from_fp32(row: dict, fp32: NoLink, link_bytes: list[float], alone_ms: float,
+               buckets: list[Bucket]) -> None:
+    """The compression-compute term's prediction of the row from fp32's runs without a link,
+    put on the arm's `buckets` (bf16 and fp16 cut fewer): fp32's host time and the arm's
+    compressor timed alone split over them as their gradient bytes, and the arm's link bytes
+    per bucket (ddp_lab/perf/compression.py)."""
     row["compress_alone_ms"] = alone_ms
     weights = [b.nbytes for b in buckets]
     # fp32's buckets all at backward's end (one bucket, or sync=ddp's untimed): so are the arm's
-    at_end = all(r == 1.0 for r in base.ready)
+    at_end = all(r == 1.0 for r in fp32.thread.ready)
     ready = (1.0,) * len(buckets) if at_end else tuple(b.ready for b in buckets)
-    thread = Thread(base.step_ms, base.backward_ms, ready, tuple(split(sum(base.busy_ms), weights)))
-    per_bucket = split(alone_ms, weights)
-    row["predicted_from_fp32_ms"] = predict_step_ms(thread, link_bytes, row["gbps"], per_bucket)
+    base = fp32.thread
+    arm = NoLink(Thread(base.step_ms, base.backward_ms, ready,
+                        tuple(split(sum(base.busy_ms), weights))), link_bytes)
+    compute_ms = split(alone_ms, weights)
+    row["predicted_from_fp32_ms"] = predict_step_ms(*arm, row["gbps"], compute_ms)
     row["from_fp32_err_pct"] = 100 * (row["predicted_from_fp32_ms"] / row["step_ms"] - 1)
     if not row["gbps"]:
-        row["predicted_breakeven_gbps"] = breakeven_gbps(
-            lambda g: predict_step_ms(thread, link_bytes, g, per_bucket),
-            lambda g: predict_step_ms(base, fp32_bytes, g),
-            sum(fp32_bytes) - sum(link_bytes))
+        row["predicted_breakeven_gbps"] = _breakeven(arm, fp32, compute_ms)
+
+
+def _breakeven(arm: NoLink, fp32: NoLink, compute_ms: list[float] | None = None) -> float:
+    """The link speed below which the arm (with `compute_ms` more per bucket) beats fp32."""
+    return breakeven_gbps(lambda g: predict_step_ms(*arm, g, compute_ms),
+                          lambda g: predict_step_ms(*fp32, g),
+                          sum(fp32.link_bytes) - sum(arm.link_bytes))
 
 
 def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict],
-             no_link: tuple[Thread, list[float]]) -> dict:
+             no_link: NoLink) -> dict:
     accuracy = [r["val_accuracy"] for r in alone if r["phase"] == "accuracy"]
     step, lo, hi = _spread([r["step_ms"] for r in here])
     reached = [r["steps_to_target"] for r in alone if r.get("steps_to_target") is not None]
@@ -112,10 +129,9 @@ def _arm_row(n: int, gbps: float, arm: str, here: list[dict], alone: list[dict],
     return row
 
 
-def _against(row: dict, base: dict, arm: tuple[Thread, list[float]],
-             fp32: tuple[Thread, list[float]]) -> None:
-    """The row's elements, accuracy and step time against fp32's at its nproc and link (`arm`,
-    `fp32`: their threads and link bytes per bucket without a link)."""
+def _against(row: dict, base: dict, arm: NoLink, fp32: NoLink) -> None:
+    """The row's elements, accuracy and step time against fp32's row `base` at its nproc and
+    link (`arm`, `fp32`: as their runs without a link measured them)."""
     row["x_fewer_elements"] = base["elements_per_step"] / row["elements_per_step"]
     row["acc_vs_fp32_pts"] = 100 * (row["acc_mean"] - base["acc_mean"])
     row["step_change_ms"] = row["step_ms"] - base["step_ms"]
@@ -124,9 +140,7 @@ def _against(row: dict, base: dict, arm: tuple[Thread, list[float]],
         row["change_err_pct"] = (100 * (row["predicted_change_ms"] / row["step_change_ms"] - 1)
                                  if row["step_change_ms"] else math.nan)
     else:
-        row["breakeven_gbps"] = breakeven_gbps(lambda g: predict_step_ms(*arm, g),
-                                               lambda g: predict_step_ms(*fp32, g),
-                                               sum(fp32[1]) - sum(arm[1]))
+        row["breakeven_gbps"] = _breakeven(arm, fp32)
 
 
 def plot(rows: list[dict], run_dir: str) -> None:

@@ -51,7 +51,7 @@ name, status, sync, world_size, per_rank_batch, resolved training config and sum
 
 from __future__ import annotations
 
-from ddp_lab.buckets import DDP_FIRST_BUCKET_MB
+from ddp_lab.buckets import sync_rule
 from ddp_lab.dtypes import element_size
 from ddp_lab.perf.compute import profile_model
 from ddp_lab.perf.fit import Fit
@@ -104,9 +104,8 @@ def _buckets(row: dict, point, probe: Probe | None) -> list[Bucket]:
                                 _setting(point, "data.num_classes"),
                                 _setting(point, "model.fc_width"))
         grads = profile.gradients_in_backward_order()
-    ddp = point.sync == "ddp"
     return buckets_of(grads, elem, float(_setting(point, "sync.bucket_mb")),
-                      "ddp" if ddp else "ours", DDP_FIRST_BUCKET_MB if ddp else None)
+                      *sync_rule(point.sync == "ddp"))
 
 
 def comm_schedule(row: dict, point, fit: Fit | None, probe: Probe | None,

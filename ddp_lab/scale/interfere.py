@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from ddp_lab.buckets import sync_rule
 from ddp_lab.dtypes import element_size
 from ddp_lab.perf.probe import derive
 from ddp_lab.perf.step import bucket_layout
@@ -178,9 +179,7 @@ def bucket_sizes(model: torch.nn.Module, algo: str, scfg) -> list[int]:
     """Bytes of each bucket the sync makes of `model`'s gradients (ddp_lab.perf.step's rules)."""
     elem = element_size(scfg.comm_dtype)
     numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]
-    ddp = algo == "native"
-    return bucket_layout(numels, elem, scfg.bucket_mb, "ddp" if ddp else "ours",
-                         1.0 if ddp else None)
+    return bucket_layout(numels, elem, scfg.bucket_mb, *sync_rule(algo == "native"))
 
 
 def compute_under_comm(b: Bench, bc: BucketComm) -> dict[str, float]:
