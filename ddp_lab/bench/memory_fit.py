@@ -31,6 +31,9 @@ ranks, and how many GPUs of `gpu_gb` GB stage s needs for the training state to 
 
 `measure_zero` (table `zero_measured`, ddp_lab/bench/zero_peak.py): each stage trained by
 ddp_lab's loop at world size 1, the bytes held (counted) and the peak, predicted and measured.
+`measure_overrides` adds training overrides to those runs, e.g. cuDNN's autotuner off to see
+what its workspaces add to the peak (`'measure_overrides=["train.cudnn_benchmark=false"]'`);
+what the prediction reads (model, batch, precision, sync, optimizer, data) is refused there.
 """
 
 from __future__ import annotations
