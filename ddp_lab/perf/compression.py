@@ -35,12 +35,10 @@ waiting for a peer); backward as fast beside the thread as without it (no interf
 ready fractions by FLOPs, not measured; the host time spread over the buckets as their bytes.
 
 Its form was chosen after the 10 Gb/s miss of the change against fp32 in
-docs/results/cpu-compression's n2-term and n2-term/second, so those two studies are not its test
-(a fresh study is). Their runs have one 12 MB bucket (25 MiB buckets of the 512-wide
-AlexNet-CIFAR), ready only at backward's end: for them the term is the earlier sum exactly, and
-it leaves that miss as it was. There the link hid, in part, behind the host's own time in the
-collectives instead, which the term adds it to: fp32's median `time_ms.comm_busy` grew by 4.2 ms
-(n2-term) and 7.8 ms (n2-term/second) at 10 Gb/s, for 9.7 ms on the wire.
+docs/results/cpu-compression's one-bucket studies (n2-term), where the term is the earlier sum
+exactly; the 1 MiB-bucket studies made after it (n2-buckets) are its test, and that page says
+where it misses and what it leaves out (on a link backward runs faster, and part of the wire time
+overlaps the host's own time in the collectives).
 
 Compression pays where step(arm, link) < step(fp32, link): `breakeven_gbps` is the link speed
 where the two meet (by bisection on 1 / gbps). Where nothing hides that is
@@ -53,14 +51,14 @@ The compression-compute term. The model above needs each arm run without a link 
 compressor's own time measured alone, one process, on random gradients of the run's bucket shapes
 (`compress_alone_ms`: its collectives the identity, their time left out, as summary.json's
 compress_ms leaves out the real ones), an arm is predicted from fp32's runs without a link, its
-compressor's time and its bytes put on fp32's thread, bucket by bucket:
+compressor's time and its bytes on fp32's thread, bucket by bucket:
 
     step(arm, link) = step(fp32, no link) + exposed(host_b + alone_b + wire_b) - exposed(host_b)
 
-host_b and backward fp32's, alone_b = compress_alone(arm) split over the buckets as their
-gradient bytes, wire_b the arm's counted bytes as above. With the compressor's time after
-backward's last bucket (one bucket, as in the studies) that is step(fp32) + compress_alone(arm) +
-the link term. It assumes that fewer bytes over the host's own loopback save nothing worth
+on the arm's own buckets (bf16 and fp16 cut fewer): host_b fp32's host time and alone_b =
+compress_alone(arm), each split over them as their gradient bytes, backward fp32's, wire_b the
+arm's counted bytes as above. With the compressor's time after backward's last bucket (one
+bucket, as in the one-bucket studies) that is step(fp32) + compress_alone(arm) + the link term. It assumes that fewer bytes over the host's own loopback save nothing worth
 counting (the host time is fp32's) and that the compressor runs alone as fast as beside
 training (the same threads).
 """
