@@ -61,7 +61,6 @@ step (CUDA: events on the communication stream).
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +72,7 @@ from ddp_lab.dtypes import DTYPES
 from ddp_lab.comm.p2p import Recorder, recording
 from ddp_lab.compress import COMPRESSORS, Ops
 from ddp_lab.sync.base import GradSync, NonfiniteFlag
+from ddp_lab.sync.busy_clock import BusyClock
 from ddp_lab.sync.comm_thread import CommThread
 from ddp_lab.sync.compressed import CompressedBuckets
 from ddp_lab.sync.config import SYNCS, wire_dtype
@@ -117,13 +117,11 @@ class BucketedSync(GradSync):
         self._worker: CommThread | None = None
         self._enabled = True  # False inside no_sync()
         self._recorder = Recorder()
-        self._busy_s = 0.0  # CPU: host time inside all_reduce this step
-        self._busy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA
-        self._pending_busy: list[list] = []  # CUDA: finished steps' events, read lazily
+        self._busy = BusyClock(self.cuda)  # time inside the collectives (comm_busy_ms)
         self._calls: dict[str, int] = {}  # collectives run this step, by name (counted ones)
         self._nonfinite: NonfiniteFlag | None = None  # the guard's, once it asks (below)
         self._last = {"bytes_per_step": 0, "messages_per_step": 0, "cross_node_bytes_per_step": 0,
-                      "comm_busy_ms": float("nan"), "launched_in_backward": 0, "collectives": {}}
+                      "launched_in_backward": 0, "collectives": {}}
         self._reset_step()
 
     # ---- set-up ----
@@ -312,17 +310,7 @@ class BucketedSync(GradSync):
         self._calls[collective.__name__] = self._calls.get(collective.__name__, 0) + 1
         crossed = self._recorder.cross_node_bytes
         with recording(self._recorder):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                collective(*tensors, self.algo, self.group)
-                end.record()
-                self._busy_events.append((start, end))
-            else:
-                start = time.perf_counter()
-                collective(*tensors, self.algo, self.group)
-                end = time.perf_counter()
-                self._busy_s += end - start
+            start, end = self._busy.timed(lambda: collective(*tensors, self.algo, self.group))
         if self._tracing():  # the same stamps as the busy time: the two agree exactly
             crossed = self._recorder.cross_node_bytes - crossed
             self.tracer.span("comm", span, start, end, bucket=b, bytes=tensors[0].nbytes,
@@ -333,27 +321,12 @@ class BucketedSync(GradSync):
         self._last = {"bytes_per_step": self._recorder.bytes_sent,
                       "messages_per_step": self._recorder.messages,
                       "cross_node_bytes_per_step": self._recorder.cross_node_bytes,
-                      "comm_busy_ms": self._busy_s * 1e3 if not self.cuda else float("nan"),
                       "launched_in_backward": self._launched_in_backward,
                       "collectives": self._calls}
         self._calls = {}
-        if self.cuda:
-            self._pending_busy.append(self._busy_events)
-            self._busy_events = []
-            self._resolve_busy(block=False)
+        self._busy.end_step()
         self._recorder.reset()
-        self._busy_s = 0.0
         self._reset_step()
-
-    def _resolve_busy(self, block: bool) -> None:
-        while self._pending_busy:
-            events = self._pending_busy[0]
-            if events and not block and not events[-1][1].query():
-                return
-            if events:
-                events[-1][1].synchronize()
-            self._last_busy_ms = sum(s.elapsed_time(e) for s, e in events)
-            self._pending_busy.pop(0)
 
     # ---- what it measured ----
 
@@ -362,12 +335,9 @@ class BucketedSync(GradSync):
         return int(self._last["bytes_per_step"])
 
     def comm_busy_ms(self) -> float:
-        """Milliseconds spent inside all-reduce calls in the last synchronised step. On CUDA the
+        """Milliseconds spent inside the collectives in the last synchronised step. On CUDA the
         latest step whose events have completed (never a host sync: the loop asks every step)."""
-        if self.cuda:
-            self._resolve_busy(block=False)
-            return getattr(self, "_last_busy_ms", float("nan"))
-        return self._last["comm_busy_ms"]
+        return self._busy.last_ms()
 
     def comm_stats(self) -> dict:
         return {"algo": self.algo, "overlap": self.overlap,
