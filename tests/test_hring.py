@@ -4,7 +4,8 @@ integer-valued data, which every summation order adds exactly), our flat ring (o
 within rounding; where one level is left, G=1 or one node, the same schedule and bits) and the
 formulas (ddp_lab/perf/collectives.py: what each node sends to the others). Then training:
 sync=hring on 2 nodes of 2 against the shared references (DDP on 2 ranks; one process on the
-whole batch), held to the ring's tolerance. (Its sync's contract, as the other syncs': buckets,
+whole batch), held to the ring's tolerance, and ZeRO stages 2 and 3 on hring against the flat
+ring and one process. (Its sync's contract, as the other syncs': buckets,
 overlap on and off, no_sync and bf16/fp16 on the wire at 2x2: tests/test_sync.py.)
 
 Each world size runs all its layouts in one process group: starting groups is the slow part.
@@ -148,3 +149,35 @@ def test_hring_trains_like_ddp_and_one_process(hring_run, small_references):
     # Every rank sends across nodes in hring's middle level, in every bucket's all-reduce.
     assert spans and all(e["args"]["cross_node_bytes"] > 0 for e in spans)
     assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+
+
+# ZeRO on hring: 4 ranks as 2 nodes of 2, stages 2 and 3 (the reduce-scatter and all-gather of
+# hring's three levels) against the flat ring at zero=0 and one process, with SGD (test_zero.py's
+# small CNN and batches; stages 0-3 on the other algorithms are tested there).
+def _zero_on_hring(rank: int, n: int) -> dict:
+    from ddp_lab.dist import set_nodes
+    from test_zero import packed, scfg, train
+
+    set_nodes(2)
+    out = {}
+    for algo, zero in (("ring", 0), ("hring", 2), ("hring", 3)):
+        params, sync, *_ = train(rank, n, scfg(algo, zero), "sgd")
+        out[(algo, zero)] = (params, sync.comm_stats() if zero == 3 else None)
+        sync.close()
+    return packed(out)
+
+
+@pytest.mark.timeout(120)
+def test_hring_at_zero_2_and_3_trains_like_the_ring_and_one_process():
+    """SGD within 1e-6 (TOLERANCE: the order of a 4-term float32 sum moves the last bits of each
+    gradient, LR x steps keeps that far below it); every rank the same."""
+    from test_zero import max_diff, one_process, unpacked
+
+    results = [unpacked(r) for r in spawn(_zero_on_hring, 4, timeout=110)]
+    ring, single = results[0][("ring", 0)][0], one_process(4, "sgd")
+    for zero in (2, 3):
+        ours, stats = results[0][("hring", zero)]
+        assert all(max_diff(r[("hring", zero)][0], ours) == 0 for r in results[1:]), zero
+        for ref in (ring, single):
+            assert max_diff(ours, ref) < TOLERANCE, (zero, max_diff(ours, ref))
+    assert stats["units"] == 3 and stats["collectives_per_step"]["reduce_scatter"] == 3
