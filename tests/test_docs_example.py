@@ -42,6 +42,8 @@ def test_the_worked_example_reproduces_every_predicted_figure():
     step, efficiency = re.search(r"# ([\d.]+), ([\d.]+)\s*$", code.strip()).groups()
     assert same_as_printed(row["pred_step_ms"], step), (row["pred_step_ms"], step)
     assert same_as_printed(row["pred_efficiency"], efficiency), (row["pred_efficiency"], efficiency)
+    prose = re.search(r"predict (\d+)% efficiency", section).group(1)
+    assert same_as_printed(100 * row["pred_efficiency"], prose), (row["pred_efficiency"], prose)
     measured = re.search(r"measured: ([\d.]+)%", section).group(1)
     assert same_as_printed(100 * row["efficiency"], measured), (row["efficiency"], measured)
     table = re.findall(r"^\| \**(\w+)\** \| \**([\d.]+)\** \|", section, re.M)
