@@ -1,0 +1,162 @@
+"""Figures the docs compute, recomputed from what they name (measured figures are the results
+check's: docs/results/README.md):
+
+- docs/scaling.md's worked example (the ring's predicted step at N=8, phase by phase) is run as
+  the page prints it, on the raw files it names: the measured efficiency, the predicted step and
+  efficiency, and each phase's predicted time (not the inputs the table's last column quotes);
+- docs/zero.md's memory tables: what a rank holds at each stage by design (`predict_held`, as the
+  dry run plans it) and the ZeRO paper's formulas (`perf.memory.zero_bytes`) beside ours, and the
+  largest layer's share of each model;
+- docs/compression.md's count of what PowerSGD r = 2 sends per step (`powersgd.as_matrix`, the
+  compressor's own view of each parameter; the counted run is the results check's)."""
+
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "scaling.md")
+ZERO_PAGE = os.path.join(ROOT, "docs", "zero.md")
+
+
+def section(page: str, starts_with: str) -> str:
+    """`page`'s text from the line starting `starts_with` to the next heading."""
+    text = open(page).read()
+    start = text.index(starts_with)
+    end = text.find("\n#", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def example_section() -> str:
+    return section(PAGE, "### Worked example: the ring at N=8")
+
+
+def run_example(code: str) -> dict:
+    """The example's code, run from the repository root: its namespace afterwards."""
+    namespace: dict = {}
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        exec(compile(code, PAGE, "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    return namespace
+
+
+def same_as_printed(value: float, printed: str) -> bool:
+    """`value` rounds to `printed`, to the decimals printed."""
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    return f"{value:.{decimals}f}" == printed
+
+
+def test_the_worked_example_reproduces_every_predicted_figure():
+    section = example_section()
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    row = run_example(code)["rows"][1]
+    step, efficiency = re.search(r"# ([\d.]+), ([\d.]+)\s*$", code.strip()).groups()
+    assert same_as_printed(row["pred_step_ms"], step), (row["pred_step_ms"], step)
+    assert same_as_printed(row["pred_efficiency"], efficiency), (row["pred_efficiency"], efficiency)
+    prose = re.search(r"predict (\d+)% efficiency", section).group(1)
+    assert same_as_printed(100 * row["pred_efficiency"], prose), (row["pred_efficiency"], prose)
+    measured = re.search(r"measured: ([\d.]+)%", section).group(1)
+    assert same_as_printed(100 * row["efficiency"], measured), (row["efficiency"], measured)
+    table = re.findall(r"^\| \**(\w+)\** \| \**([\d.]+)\** \|", section, re.M)
+    assert [phase for phase, _ in table] == ["data", "forward", "backward", "sync",
+                                             "exposed_comm", "guard", "optim", "other", "step"]
+    for phase, printed in table:
+        assert same_as_printed(row[f"pred_{phase}_ms"], printed), (phase, row[f"pred_{phase}_ms"])
+
+
+def shapes_of(model: str) -> list:
+    """The parameter shapes of `model` (built on the meta device: nothing allocated)."""
+    import torch
+
+    from ddp_lab.cli import compose
+    from ddp_lab.dry_run import _model
+
+    with torch.device("meta"):
+        return [p.shape for p in _model(compose([f"model={model}"], "dry_run")).parameters()]
+
+
+def planned(model: str, world_size: int, zero: int):
+    """The dry run's plan of a ring, AdamW, 25 MB buckets: (the rank holding the most's bytes by
+    kind, its total, the model's parameter numels)."""
+    from ddp_lab.cli import compose
+    from ddp_lab.dry_run import make_plan
+
+    cfg = compose([f"world_size={world_size}", "sync=ring", f"sync.zero={zero}", "optim=adamw",
+                   "sync.bucket_mb=25", f"model={model}"], "dry_run")
+    plan = make_plan(cfg)
+    worst = max(range(world_size), key=plan.memory)
+    return plan.held[worst], plan.memory(worst), [s.numel() for s in shapes_of(model)]
+
+
+def mb(values: str) -> list[str]:
+    return [v.strip().split(" ")[0].replace(",", "") for v in values.strip(" |").split("|")]
+
+
+def test_zero_md_held_table_is_what_the_design_predicts():
+    text = section(ZERO_PAGE, "**The lesson AlexNet teaches.**")
+    rows = re.findall(r"^\| AdamW `zero=(\d)`, N = ([\d or]+) \|(.*)$", text, re.M)
+    assert len(rows) == 7
+    kinds = ["params_bytes", "grads_bytes", "optimizer_state_bytes", "comm_buffer_bytes",
+             "comm_scratch_bytes"]
+    for zero, ns, values in rows:
+        *parts, total, vs = mb(values)
+        for n in map(int, ns.split(" or ")):
+            held, most, _ = planned("alexnet_cifar", n, int(zero))
+            base = planned("alexnet_cifar", n, 0)[1]
+            got = [held[k] / 1e6 for k in kinds] + [most / 1e6, most / base]
+            for value, printed in zip(got, [*parts, total, vs]):
+                assert same_as_printed(value, printed), (zero, n, value, printed)
+    _, _, numels = planned("alexnet_cifar", 2, 0)
+    share = re.search(r"4096 x 4096 layer is (\d+)% of its ([\d.]+) M", text).groups()
+    assert same_as_printed(100 * max(numels) / sum(numels), share[0])
+    assert same_as_printed(sum(numels) / 1e6, share[1])
+    _, _, numels = planned("alexnet", 2, 0)
+    share = re.search(r"AlexNet's is (\d+)% of ([\d.]+) M", text).groups()
+    assert same_as_printed(100 * max(numels) / sum(numels), share[0])
+    assert same_as_printed(sum(numels) / 1e6, share[1])
+
+
+def test_zero_md_paper_formulas_beside_ours():
+    """At N = 8, AdamW: the paper's mixed-precision terms, the same terms at fp32's 4 bytes, and
+    the most a rank of ours holds, each with its ratio to stage 0 in parentheses."""
+    from ddp_lab.perf.memory import zero_bytes
+
+    text = section(ZERO_PAGE, "**The lesson AlexNet teaches.**")
+    rows = re.findall(r"^\| (\d) \|(.*)$", text, re.M)
+    assert [int(z) for z, _ in rows] == [0, 1, 2, 3]
+    base = {}
+    for zero, values in rows:
+        cells = [c.strip() for c in values.strip(" |").split("|")]
+        got = []
+        for model in ("alexnet_cifar", "alexnet"):
+            _, ours, numels = planned(model, 8, int(zero))
+            params = sum(numels)
+            for column, total in (("mixed", zero_bytes(params, int(zero), 8, "mixed")["total"]),
+                                  ("fp32", zero_bytes(params, int(zero), 8, "fp32")["total"]),
+                                  ("ours", ours)):
+                base.setdefault((model, column), total)
+                got.append((total / 1e6, total / base[(model, column)]))
+        for (value, ratio), cell in zip(got, cells):
+            printed = re.match(r"([\d,.]+)(?: \(([\d.]+)x\))?$", cell).groups()
+            assert same_as_printed(value, printed[0].replace(",", "")), (zero, value, cell)
+            assert printed[1] is None or same_as_printed(ratio, printed[1]), (zero, ratio, cell)
+
+
+def test_compression_md_powersgd_elements_per_step():
+    from ddp_lab.compress.powersgd import as_matrix
+
+    text = open(os.path.join(ROOT, "docs", "compression.md")).read()
+    bias, sent, whole, fewer = re.search(
+        r"the ([\d,]+) bias elements whole, ([\d,]+) against ([\d,]+), ([\d.]+)x", text).groups()
+    shapes = shapes_of("alexnet_cifar")
+    vectors = sum(s.numel() for s in shapes if len(s) == 1)
+    matrices = [as_matrix(s, 2, 2.0) for s in shapes if len(s) > 1]
+    assert all(compress for *_, compress in matrices)
+    elements = sum((rows + cols) * r for rows, cols, r, _ in matrices) + vectors
+    numel = sum(s.numel() for s in shapes)
+    assert (f"{vectors:,}", f"{elements:,}", f"{numel:,}") == (bias, sent, whole)
+    assert same_as_printed(numel / elements, fewer)
+    rows, cols, r, _ = as_matrix((4096, 4096), 2, 2.0)
+    assert f"4096 x 4096\nlayer at r = 2 sends {(rows + cols) * r:,} instead of" in text
