@@ -7,6 +7,8 @@ check's: docs/results/README.md):
 - docs/zero.md's memory tables: what a rank holds at each stage by design (`predict_held`, as the
   dry run plans it) and the ZeRO paper's formulas (`perf.memory.zero_bytes`) beside ours, and the
   largest layer's share of each model;
+- docs/zero.md's simulated ZeRO tables, as the simulation's results page has them
+  (h200-scaling-and-simulation/simulation.md, which tests/test_scale.py regenerates);
 - docs/compression.md's count of what PowerSGD r = 2 sends per step (`powersgd.as_matrix`, the
   compressor's own view of each parameter; the counted run is the results check's)."""
 
@@ -160,3 +162,23 @@ def test_compression_md_powersgd_elements_per_step():
     assert same_as_printed(numel / elements, fewer)
     rows, cols, r, _ = as_matrix((4096, 4096), 2, 2.0)
     assert f"4096 x 4096\nlayer at r = 2 sends {(rows + cols) * r:,} instead of" in text
+
+
+def test_zero_md_simulated_tables_are_the_simulations():
+    simulated = open(os.path.join(ROOT, "docs", "results", "h200-scaling-and-simulation",
+                                  "simulation.md")).read().splitlines()
+    text = section(ZERO_PAGE, "The simulation (`python -m ddp_lab.scale simulate=only`)")
+    held = re.findall(r"^\| [\d.]+ B \|.*$", text, re.M)
+    assert len(held) == 4 and all(row in simulated for row in held)
+    header = next(r for r in simulated if r.startswith("| model | zero | 8 | 16 |"))
+    sizes = [c.strip() for c in header.strip("|").split("|")][2:]
+    cells = {}
+    for row in simulated:
+        parts = [c.strip() for c in row.strip("|").split("|")]
+        if len(parts) == 2 + len(sizes) and parts[1].isdigit():
+            cells.update({(parts[0], parts[1], n): v for n, v in zip(sizes, parts[2:])})
+    quoted = re.findall(r"^\| (alexnet|resnet50) \| (\d) \| (.*)$", text, re.M)
+    assert len(quoted) == 7
+    for model, zero, values in quoted:
+        for n, value in zip(("8", "64", "1024"), values.strip(" |").split(" | ")):
+            assert cells[(model, zero, n)] == value.strip(), (model, zero, n, value)

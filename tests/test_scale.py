@@ -281,14 +281,17 @@ def test_emit_prints_multinode_commands(emit, name):
 
 
 def test_simulation_entry_point_reproduces_its_results_page(simulation):
-    """`simulate=only` with the page's command writes the page's simulation.csv again: every
-    row, every number (the same code and inputs: the same floats), and says where each
+    """`simulate=only` with the page's command writes the page's simulation.csv and simulation.md
+    again: every row, every number (the same code and inputs: the same floats), and says where each
     model's compute came from (measured from a named file, or assumed)."""
     proc, run_dir = simulation
     check(proc)
     rows = read_csv(run_dir / "simulation.csv")
     published = read_csv(os.path.join(SIMULATION_PAGE, "simulation.csv"))
     assert rows == published
+    with open(run_dir / "simulation.md") as ours, \
+            open(os.path.join(SIMULATION_PAGE, "simulation.md")) as theirs:
+        assert ours.read() == theirs.read()  # its tables, which docs/zero.md quotes, too
     assert {r["network"] for r in rows} == {"ib400", "ib100", "eth25"}
     assert {r["algo"] for r in rows} == {"naive", "ring", "hring", "tree"}
     sources = {r["model"]: r["compute_source"] for r in rows}
