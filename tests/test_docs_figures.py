@@ -3,7 +3,8 @@ check's: docs/results/README.md):
 
 - docs/scaling.md's worked example (the ring's predicted step at N=8, phase by phase) is run as
   the page prints it, on the raw files it names: the measured efficiency, the predicted step and
-  efficiency, and each phase's predicted time (not the inputs the table's last column quotes);
+  efficiency, each phase's predicted time (not the inputs the table's last column quotes), and
+  the ring's fit and bus bandwidths after the table;
 - docs/zero.md's memory tables: what a rank holds at each stage by design (`predict_held`, as the
   dry run plans it) and the ZeRO paper's formulas (`perf.memory.zero_bytes`) beside ours, and the
   largest layer's share of each model;
@@ -53,7 +54,8 @@ def same_as_printed(value: float, printed: str) -> bool:
 def test_the_worked_example_reproduces_every_predicted_figure():
     section = example_section()
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    row = run_example(code)["rows"][1]
+    namespace = run_example(code)
+    row = namespace["rows"][1]
     step, efficiency = re.search(r"# ([\d.]+), ([\d.]+)\s*$", code.strip()).groups()
     assert same_as_printed(row["pred_step_ms"], step), (row["pred_step_ms"], step)
     assert same_as_printed(row["pred_efficiency"], efficiency), (row["pred_efficiency"], efficiency)
@@ -66,6 +68,12 @@ def test_the_worked_example_reproduces_every_predicted_figure():
                                              "exposed_comm", "guard", "optim", "other", "step"]
     for phase, printed in table:
         assert same_as_printed(row[f"pred_{phase}_ms"], printed), (phase, row[f"pred_{phase}_ms"])
+    # the paragraph after the table: the ring's own fit at N=8 and the bus bandwidths beside it
+    ring = dict(namespace["fits"][("ring", "gloo")].by_world_size)[8]
+    assert f"(N=8: `{ring.describe()}`)" in section
+    calib, probed = re.search(r"\(([\d.]+) GB/s, next to\nthe probe's ([\d.]+) and", section).groups()
+    assert same_as_printed(row["calib_busbw_GBps"], calib)
+    assert same_as_printed(row["probe_busbw_GBps"], probed)
 
 
 def shapes_of(model: str) -> list:
