@@ -5,7 +5,9 @@ check's: docs/results/README.md):
   the page prints it, on the raw files it names: the measured efficiency, the predicted step and
   efficiency, each phase's predicted time (not the inputs the table's last column quotes), and
   the ring's fit and bus bandwidths after the table;
-- docs/zero.md's memory tables: what a rank holds at each stage by design (`predict_held`, as the
+- docs/zero.md's memory table (the Ultra-Scale Playbook's formulas for 7B and 70B) and
+  docs/seeds.md's corrected model memory for GPT-3 and LLaMA-2 70B (`perf.memory`);
+- docs/zero.md's AlexNet tables: what a rank holds at each stage by design (`predict_held`, as the
   dry run plans it) and the ZeRO paper's formulas (`perf.memory.zero_bytes`) beside ours, and the
   largest layer's share of each model;
 - docs/zero.md's simulated ZeRO tables, as the simulation's results page has them
@@ -190,3 +192,42 @@ def test_zero_md_simulated_tables_are_the_simulations():
     for model, zero, values in quoted:
         for n, value in zip(("8", "64", "1024"), values.strip(" |").split(" | ")):
             assert cells[(model, zero, n)] == value.strip(), (model, zero, n, value)
+
+
+def gb(printed: str) -> str:
+    return printed.replace(" GB", "").replace(",", "").strip()
+
+
+def test_zero_md_memory_table_is_the_formulas():
+    """The Ultra-Scale Playbook's table for 7B and 70B parameters (`perf.memory.zero_bytes`,
+    mixed precision + Adam) and the fewest 80 GB GPUs per stage (`gpus_for_zero`)."""
+    from ddp_lab.perf.memory import GB, gpus_for_zero, zero_bytes
+
+    text = section(ZERO_PAGE, "## What it saves: the memory table")
+    rows = re.findall(r"^\| (\d)(?: \(\w+\))? \| [^|]+ \| [^|]+ \|(.*)$", text, re.M)
+    assert [int(z) for z, _ in rows] == [0, 1, 2, 3]
+    for zero, values in rows:
+        *sizes, gpus = [c.strip() for c in values.strip(" |").split("|")]
+        z = int(zero)
+        got = [zero_bytes(p, z, n)["total"] / GB for p, n in ((7e9, 8), (70e9, 8), (70e9, 64))]
+        for value, printed in zip(got, sizes):
+            assert same_as_printed(value, gb(printed)), (zero, value, printed)
+        fewest = [gpus_for_zero(p, z, 80) for p in (7e9, 70e9)]
+        assert gpus == " / ".join("never" if g is None else str(g) for g in fewest), (zero, gpus)
+
+
+def test_seeds_md_model_memory_is_the_formulas():
+    """The corrected model-memory figures for GPT-3 (175 B) and LLaMA-2 70B."""
+    from ddp_lab.perf.memory import GB, gpus_needed, inference_bytes, training_bytes
+
+    text = open(os.path.join(ROOT, "docs", "seeds.md")).read()
+    train = {p: training_bytes(p, "mixed", "adam")["total"] for p in (175e9, 70e9)}
+    fp16 = {p: inference_bytes(p, "fp16") for p in (175e9, 70e9)}
+    assert (f"training with Adam needs 16 B/param ({train[175e9] / 1e12:.1f} TB for GPT-3, "
+            f"{train[70e9] / 1e12:.2f} TB for LLaMA-2 70B)") in " ".join(text.split())
+    assert f"({fp16[175e9] / GB:.0f} /\n  {fp16[70e9] / GB:.0f} GB)" in text
+    needs = [gpus_needed(b, 80) for b in (fp16[175e9], train[175e9], fp16[70e9], train[70e9])]
+    assert ("GPT-3 needs {} for fp16 weights and >= {} to train (before activations), LLaMA-2 "
+            "70B {} and {}".format(*needs)) in " ".join(text.split())
+    assert (f"Adam mixed-precision training {train[175e9] / GB:,.0f} GB: >= {needs[1]} "
+            f"A100-80GB or {gpus_needed(train[175e9], 141)} H200") in text
