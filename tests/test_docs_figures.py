@@ -3,7 +3,7 @@ check's: docs/results/README.md):
 
 - docs/scaling.md's worked example (the ring's predicted step at N=8, phase by phase) is run as
   the page prints it, on the raw files it names: the measured efficiency, the predicted step and
-  efficiency, each phase's predicted time (not the inputs the table's last column quotes), and
+  efficiency, each phase's predicted time and the inputs the table's last column quotes, and
   the ring's fit and bus bandwidths after the table;
 - docs/zero.md's memory table (the Ultra-Scale Playbook's formulas for 7B and 70B) and
   docs/seeds.md's corrected model memory for GPT-3 and LLaMA-2 70B (`perf.memory`);
@@ -15,6 +15,7 @@ check's: docs/results/README.md):
 - docs/compression.md's count of what PowerSGD r = 2 sends per step (`powersgd.as_matrix`, the
   compressor's own view of each parameter; the counted run is the results check's)."""
 
+import json
 import os
 import re
 
@@ -76,6 +77,44 @@ def test_the_worked_example_reproduces_every_predicted_figure():
     calib, probed = re.search(r"\(([\d.]+) GB/s, next to\nthe probe's ([\d.]+) and", section).groups()
     assert same_as_printed(row["calib_busbw_GBps"], calib)
     assert same_as_printed(row["probe_busbw_GBps"], probed)
+
+
+def test_the_worked_example_quotes_its_inputs():
+    """The table's last column: each phase's inputs as the N=1 point, the N=8 probe and the fits
+    have them, and the exposed communication's and the guard's parts as the model added them."""
+    section = example_section()
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = run_example(code)
+    one, row = namespace["rows"][0], namespace["rows"][1]
+    with open(os.path.join(ROOT, namespace["d"], "interference", "n8-ring.json")) as f:
+        probe = json.load(f)["derived"]
+    c, skew, ring = probe["contention"], probe["skew"], probe["ring"]
+    native = dict(namespace["fits"][("native", "gloo")].by_world_size)[8]
+    sizes = ring["bucket_bytes"]
+    guard_fit_ms = row["pred_guard_ms"] - one["guard_ms"] * c["guard"] * (1 + skew["guard"])
+    expected = {
+        "data": [one["data_ms"], c["forward"], probe["store_ms"]],
+        "forward": [one["forward_ms"], c["forward"]],
+        "backward": [one["backward_ms"], c["backward"]],
+        "sync": [],
+        "exposed_comm": [len(sizes), sizes[0] / 2**10, sizes[1] / 2**20, sizes[2] / 2**20,
+                         *[times[1] for times in ring["bucket_ms"]],
+                         ring["local_s_per_byte"] * 1e9, row["pred_comm_busy_ms"],
+                         ring["compute_slowdown"], ring["comm_slowdown"], row["pred_slowdown_ms"],
+                         row["pred_wait_ms"], one["sync_ms"], skew["backward"],
+                         row["pred_straggler_ms"]],
+        "guard": [one["guard_ms"], c["guard"], 1, skew["guard"], 64,
+                  native.regimes[0].alpha_s * 1e6, 2 * (8 - 1), guard_fit_ms],
+        "optim": [one["optim_ms"], c["optim"]],
+        "other": [one["other_ms"], c["step"]],
+        "step": [one["step_ms"], row["pred_step_ms"], row["pred_efficiency"]]}
+    table = re.findall(r"^\| \**(\w+)\** \| \**[\d.]+\** \| (.*) \|$", section, re.M)
+    assert [phase for phase, _ in table] == list(expected)
+    for phase, inputs in table:
+        printed = re.findall(r"(?<![\w.<=])(\d+(?:\.\d+)?)", inputs)
+        assert len(printed) == len(expected[phase]), (phase, printed)
+        for value, shown in zip(expected[phase], printed):
+            assert same_as_printed(value, shown), (phase, value, shown)
 
 
 def shapes_of(model: str) -> list:
