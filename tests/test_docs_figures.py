@@ -15,6 +15,7 @@ check's: docs/results/README.md):
 - docs/compression.md's count of what PowerSGD r = 2 sends per step (`powersgd.as_matrix`, the
   compressor's own view of each parameter; the counted run is the results check's)."""
 
+import functools
 import json
 import os
 import re
@@ -117,6 +118,7 @@ def test_the_worked_example_quotes_its_inputs():
             assert same_as_printed(value, shown), (phase, value, shown)
 
 
+@functools.lru_cache
 def shapes_of(model: str) -> list:
     """The parameter shapes of `model` (built on the meta device: nothing allocated)."""
     import torch
@@ -128,6 +130,7 @@ def shapes_of(model: str) -> list:
         return [p.shape for p in _model(compose([f"model={model}"], "dry_run")).parameters()]
 
 
+@functools.lru_cache  # (each composes a config: the tables ask for the same ones again)
 def planned(model: str, world_size: int, zero: int):
     """The dry run's plan of a ring, AdamW, 25 MB buckets: (the rank holding the most's bytes by
     kind, its total, the model's parameter numels)."""
