@@ -320,3 +320,21 @@ def test_the_command_exits_1_on_a_planted_bug_and_imports_no_torch(tmp_path):
     bad = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
                          text=True, env=env, timeout=60)
     assert bad.returncode == 1 and "table: tf32, channels_last yes" in bad.stdout
+
+
+# ---------------------------------------------------------------- unquoted numbers
+
+
+def test_unquoted_lists_the_numbers_no_quote_covers(tmp_path):
+    """Quoted numbers (also across a line break) are covered, code blocks and indented command
+    lines are not prose; another finding's quote of the page counts too."""
+    from ddp_lab.results.unquoted import unquoted
+
+    page = "docs/results/f/README.md"
+    _write(str(tmp_path / page), "# f\n\nStep 1.25 ms here, and a\nratio of 0.50 over\nthe "
+           "base. Load 3.14 unregistered.\n\n```\n9.99 in a block\n```\n\n    run 5.55 x\n")
+    _write(str(tmp_path / "docs/results/f/figures.json"), json.dumps({"figures": [
+        _figure(printed="1.25", quoted={page: "Step 1.25 ms here"})]}))
+    _write(str(tmp_path / "docs/results/g/figures.json"), json.dumps({"figures": [
+        _figure(printed="0.50", quoted={page: "ratio of 0.50 over the base"})]}))
+    assert unquoted(str(tmp_path), "f") == [(5, "3.14", "the base. Load 3.14 unregistered.")]

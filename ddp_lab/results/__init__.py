@@ -5,5 +5,7 @@ wrote, and a manifest (figures.json, `ddp_lab.results.manifest`) listing every f
 the index or README.md quotes: the printed value, the raw files, the function that derives it
 (`ddp_lab.results.derive`) and where it is quoted. `python -m ddp_lab.results check`
 (`ddp_lab.results.check`) recomputes them all, so a typo, a stale number or a figure from the
-wrong run fails a test instead of reaching a reader.
+wrong run fails a test instead of reaching a reader. `python -m ddp_lab.results unquoted`
+(`ddp_lab.results.unquoted`) lists the numbers a page prints that no figure quotes: what the
+check cannot see.
 """
