@@ -3,9 +3,10 @@ that no figure's quote covers, places for a maintainer to look, not a verdict.
 
 The check (check.py) proves every quoted figure; it cannot see a number nobody registered. This
 lists, per page, each number with a decimal point outside code blocks and indented command lines
-that lies in no quote of any figure that names the page. Some it lists are rightly left
-unregistered: settings, targets, datasheet values, formulas worked on the same line. It reads
-files only and always exits 0.
+that lies in no quote of any figure that names the page (a number after a hyphen, a range's upper
+end or a negative sign's, is not listed on its own; integers are not listed). Some it lists are
+rightly left unregistered: settings, targets, datasheet values, formulas worked on the same line.
+It reads files only and always exits 0.
 """
 
 from __future__ import annotations
