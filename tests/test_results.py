@@ -328,7 +328,7 @@ def test_the_command_exits_1_on_a_planted_bug_and_imports_no_torch(tmp_path):
 def test_unquoted_lists_the_numbers_no_quote_covers(tmp_path):
     """Quoted numbers (also across a line break) are covered, code blocks and indented command
     lines are not prose; another finding's quote of the page counts too."""
-    from ddp_lab.results.unquoted import unquoted
+    from ddp_lab.results.unquoted import quotes_by_page, unquoted
 
     page = "docs/results/f/README.md"
     _write(str(tmp_path / page), "# f\n\nStep 1.25 ms here, and a\nratio of 0.50 over\nthe "
@@ -337,4 +337,6 @@ def test_unquoted_lists_the_numbers_no_quote_covers(tmp_path):
         _figure(printed="1.25", quoted={page: "Step 1.25 ms here"})]}))
     _write(str(tmp_path / "docs/results/g/figures.json"), json.dumps({"figures": [
         _figure(printed="0.50", quoted={page: "ratio of 0.50 over the base"})]}))
-    assert unquoted(str(tmp_path), "f") == [(5, "3.14", "the base. Load 3.14 unregistered.")]
+    _write(str(tmp_path / "docs/results/g/README.md"), "# g\n")
+    quotes = quotes_by_page(str(tmp_path))
+    assert unquoted(str(tmp_path), "f", quotes) == [(5, "3.14", "the base. Load 3.14 unregistered.")]

@@ -15,20 +15,21 @@ import os
 import re
 
 from ddp_lab.results import manifest
-from ddp_lab.results.check import RESULTS
+from ddp_lab.results.check import RESULTS, findings
 
 NUMBER = re.compile(r"(?<![\w.-])\d+\.\d+(?![\w.])")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 INDENTED = re.compile(r"^ {4}.*$", re.M)  # a command line, not prose (a list's text is 2 in)
 
 
-def quotes_of(root: str, page: str) -> list[str]:
-    """Every quote of `page` (a path from `root`) in every finding's manifest."""
-    results = os.path.join(root, RESULTS)
-    return [words for finding in sorted(os.listdir(results))
-            if os.path.isdir(os.path.join(results, finding))
-            for fig in manifest.load(os.path.join(results, finding))
-            for words in fig.quoted.get(page, ())]
+def quotes_by_page(root: str) -> dict[str, list[str]]:
+    """Every quote in every finding's manifest, by the page (a path from `root`) it quotes."""
+    quotes: dict[str, list[str]] = {}
+    for finding in findings(root):
+        for fig in manifest.load(os.path.join(root, RESULTS, finding)):
+            for page, words in fig.quoted.items():
+                quotes.setdefault(page, []).extend(words)
+    return quotes
 
 
 def covered_spans(text: str, quotes: list[str]) -> list[tuple[int, int]]:
@@ -40,14 +41,15 @@ def covered_spans(text: str, quotes: list[str]) -> list[tuple[int, int]]:
     return spans
 
 
-def unquoted(root: str, finding: str) -> list[tuple[int, str, str]]:
-    """(line, number, the line) for each number on `finding`'s page that no quote covers."""
+def unquoted(root: str, finding: str, quotes: dict[str, list[str]]) -> list[tuple[int, str, str]]:
+    """(line, number, the line) for each number on `finding`'s page that none of `quotes`
+    (quotes_by_page) covers."""
     page = os.path.join(RESULTS, finding, "README.md")
     with open(os.path.join(root, page)) as f:
         text = f.read()
     blanked = INDENTED.sub(lambda m: " " * len(m.group()),
                            FENCE.sub(lambda m: re.sub(r"\S", " ", m.group()), text))
-    spans = covered_spans(text, quotes_of(root, page))
+    spans = covered_spans(text, quotes.get(page, []))
     lines = text.splitlines()
     out = []
     for m in NUMBER.finditer(blanked):
@@ -57,10 +59,8 @@ def unquoted(root: str, finding: str) -> list[tuple[int, str, str]]:
     return out
 
 
-def report(root: str, findings: list[str] | None) -> str:
-    results = os.path.join(root, RESULTS)
-    names = findings or sorted(d for d in os.listdir(results)
-                               if os.path.exists(os.path.join(results, d, "README.md")))
+def report(root: str, only: list[str] | None) -> str:
+    names, quotes = only or findings(root), quotes_by_page(root)
     rows = [f"{name}/README.md:{line}: {number} | {text[:100]}"
-            for name in names for line, number, text in unquoted(root, name)]
+            for name in names for line, number, text in unquoted(root, name, quotes)]
     return "\n".join(rows + [f"{len(rows)} numbers on {len(names)} pages in no quote"])
