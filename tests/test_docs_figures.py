@@ -20,6 +20,8 @@ import json
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "scaling.md")
 ZERO_PAGE = os.path.join(ROOT, "docs", "zero.md")
@@ -33,12 +35,12 @@ def section(page: str, starts_with: str) -> str:
     return text[start:end if end > 0 else None]
 
 
-def example_section() -> str:
-    return section(PAGE, "### Worked example: the ring at N=8")
-
-
-def run_example(code: str) -> dict:
-    """The example's code, run from the repository root: its namespace afterwards."""
+@pytest.fixture(scope="module")
+def example() -> tuple[str, str, dict]:
+    """The worked example's section, its code, and the code's namespace once run from the
+    repository root."""
+    text = section(PAGE, "### Worked example: the ring at N=8")
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     namespace: dict = {}
     cwd = os.getcwd()
     os.chdir(ROOT)
@@ -46,7 +48,7 @@ def run_example(code: str) -> dict:
         exec(compile(code, PAGE, "exec"), namespace)
     finally:
         os.chdir(cwd)
-    return namespace
+    return text, code, namespace
 
 
 def same_as_printed(value: float, printed: str) -> bool:
@@ -55,10 +57,8 @@ def same_as_printed(value: float, printed: str) -> bool:
     return f"{value:.{decimals}f}" == printed
 
 
-def test_the_worked_example_reproduces_every_predicted_figure():
-    section = example_section()
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    namespace = run_example(code)
+def test_the_worked_example_reproduces_every_predicted_figure(example):
+    section, code, namespace = example
     row = namespace["rows"][1]
     step, efficiency = re.search(r"# ([\d.]+), ([\d.]+)\s*$", code.strip()).groups()
     assert same_as_printed(row["pred_step_ms"], step), (row["pred_step_ms"], step)
@@ -80,12 +80,10 @@ def test_the_worked_example_reproduces_every_predicted_figure():
     assert same_as_printed(row["probe_busbw_GBps"], probed)
 
 
-def test_the_worked_example_quotes_its_inputs():
+def test_the_worked_example_quotes_its_inputs(example):
     """The table's last column: each phase's inputs as the N=1 point, the N=8 probe and the fits
     have them, and the exposed communication's and the guard's parts as the model added them."""
-    section = example_section()
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    namespace = run_example(code)
+    section, _, namespace = example
     one, row = namespace["rows"][0], namespace["rows"][1]
     with open(os.path.join(ROOT, namespace["d"], "interference", "n8-ring.json")) as f:
         probe = json.load(f)["derived"]
