@@ -75,7 +75,8 @@ def test_the_worked_example_reproduces_every_predicted_figure(example):
     # the paragraph after the table: the ring's own fit at N=8 and the bus bandwidths beside it
     ring = dict(namespace["fits"][("ring", "gloo")].by_world_size)[8]
     assert f"(N=8: `{ring.describe()}`)" in section
-    calib, probed = re.search(r"\(([\d.]+) GB/s, next to\nthe probe's ([\d.]+) and", section).groups()
+    calib, probed = re.search(r"\(([\d.]+) GB/s, next to\nthe probe's ([\d.]+) and",
+                              section).groups()
     assert same_as_printed(row["calib_busbw_GBps"], calib)
     assert same_as_printed(row["probe_busbw_GBps"], probed)
 

@@ -57,10 +57,10 @@ compressor's time and its bytes on fp32's thread, bucket by bucket:
 
 on the arm's own buckets (bf16 and fp16 cut fewer): host_b fp32's host time and alone_b =
 compress_alone(arm), each split over them as their gradient bytes, backward fp32's, wire_b the
-arm's counted bytes as above. With the compressor's time after backward's last bucket (one
-bucket, as in the one-bucket studies) that is step(fp32) + compress_alone(arm) + the link term. It assumes that fewer bytes over the host's own loopback save nothing worth
-counting (the host time is fp32's) and that the compressor runs alone as fast as beside
-training (the same threads).
+arm's counted bytes as above. With the compressor's time after backward's last bucket (one bucket,
+as in the one-bucket studies) that is step(fp32) + compress_alone(arm) + the link term. It assumes
+that fewer bytes over the host's own loopback save nothing worth counting (the host time is
+fp32's) and that the compressor runs alone as fast as beside training (the same threads).
 """
 
 from __future__ import annotations
